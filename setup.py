@@ -1,0 +1,25 @@
+"""Install tofu_tf and the strategies built on it."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tofu_tf",
+    version="0.1.0",
+    description="Automatic partitioning of TensorFlow/Keras training steps across devices (Tofu on DTensor)",
+    packages=find_packages(include=["tofu_tf", "tofu_tf.*", "strategies", "strategies.*"]),
+    python_requires=">=3.10,<3.13",
+    install_requires=[
+        # TensorFlow 2.21 (the wheel ships both CPU and CUDA kernels). Do not add
+        # tensorflow-cpu beside it: tf-keras requires the `tensorflow` distribution
+        # and two distributions would share one module tree.
+        "tensorflow>=2.21,<2.22",
+        "tf-keras>=2.21,<2.22",
+        "keras>=3.10,<4",
+        "absl-py>=2.1",
+        "numpy>=1.26",
+        "scipy>=1.11",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6.100"],
+    },
+)

@@ -1,0 +1,26 @@
+"""tofu_tf: automatic partitioning of Keras training steps across devices.
+
+The planner core (``tofu_tf.ir``, ``tofu_tf.pipeline`` ...) imports no
+TensorFlow, so importing this package is cheap; the TF-facing entry points are
+loaded on first use.
+"""
+
+from tofu_tf.ir import Graph, Op, Role, Tensor, Variable, VariableKind
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "capture_training_step": ("tofu_tf.tf.capture", "capture_training_step"),
+    "DynamicShapeError": ("tofu_tf.tf.capture", "DynamicShapeError"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        module_name, attr = _LAZY[name]
+        return getattr(importlib.import_module(module_name), attr)
+    raise AttributeError(f"module 'tofu_tf' has no attribute {name!r}")
+
+
+__all__ = ["Graph", "Op", "Role", "Tensor", "Variable", "VariableKind", *_LAZY]

@@ -1,0 +1,403 @@
+"""Trace a Keras training step into the planner's IR, without running it.
+
+Capture builds the step ``forward -> loss -> gradients -> optimizer update`` as
+a ``tf.function`` concrete graph and translates that graph into
+``tofu_tf.ir.Graph``. It owns three decisions:
+
+* Nothing model-sized is allocated. Optimizer slots are created while tracing
+  under a variable creator that returns ``UninitializedVariable``s: handles
+  with a shape and dtype but no buffer. The user's optimizer is never built;
+  a fresh one with the same configuration is traced instead.
+* Function calls (``PartitionedCall``/``StatefulPartitionedCall``) are inlined
+  so the planner sees one flat graph. Loops (``While``, as run by Keras
+  LSTM/GRU) are kept as one op whose ``body`` is an IR graph of its own; the
+  trip count of a Keras recurrence is static, but the body is what a planner
+  reasons about, so it is not unrolled here.
+* Sparse gradients (``IndexedSlices`` from an Embedding) are made dense,
+  because that is what TofuStrategy trains with (DTensor cannot expand the
+  sparse update); the IR describes the step that will run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+from tensorflow.python.framework import function_def_to_graph
+from tensorflow.python.ops import resource_variable_ops
+
+from tofu_tf import ir
+from tofu_tf.tf import keras_adapter
+
+_CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+_LOOP_OPS = frozenset({"While", "StatelessWhile"})
+_CONST_MAX_ELEMENTS = 64
+# Outputs that are backend scratch space, not values of the model: their size
+# depends on the kernel chosen at run time (empty on CPU), so they are recorded
+# as zero-byte scalars rather than failing the static-shape check.
+_WORKSPACE_OUTPUTS = {
+    "FusedBatchNorm": frozenset({3, 4}),
+    "FusedBatchNormV2": frozenset({3, 4}),
+    "FusedBatchNormV3": frozenset({3, 4, 5}),
+}
+_WORKSPACE_PASSTHROUGH = frozenset({"ZerosLike", "Identity"})
+_SKIPPED_ATTRS = frozenset({"_class", "_read_only_resource_inputs", "_has_manual_control_dependencies"})
+
+
+class DynamicShapeError(ValueError):
+    """A tensor of the step has a dimension unknown at trace time."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _TraceResult:
+    """What tracing produced, before translation: the graph and the Python-side
+    knowledge that links its tensors to variables."""
+
+    graph: tf.Graph
+    input_names: tuple[str, ...]
+    gradient_names: Mapping[str, str]          # tensor name -> weight path
+    handle_paths: Mapping[int, str]            # id(eager handle) -> variable path
+    variables: Mapping[str, ir.Variable]
+
+
+def capture_training_step(model, *, batch_size: int, loss, optimizer, labels: tf.TensorSpec | None = None) -> ir.Graph:
+    """Trace ``model``'s training step for ``batch_size`` and return its IR.
+
+    ``loss`` and ``optimizer`` take what ``model.compile`` takes (names or
+    objects). ``labels`` overrides the inferred label spec. The model must be
+    built; the user's optimizer is left untouched.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    framework = keras_adapter.framework_of(model)
+    traced = _trace(model, framework, batch_size, loss, optimizer, labels)
+    layers = keras_adapter.layer_names(model)
+    graph = _Translator(traced, layers).translate()
+    graph = dataclasses.replace(graph, batch_size=batch_size, framework=framework)
+    _check_static_shapes(graph)
+    logging.debug("captured %s", graph.summary())
+    return graph
+
+
+# -- tracing -------------------------------------------------------------------
+
+def _uninitialized_creator(next_creator, **kwargs):
+    """Create variables as shape-and-dtype-only handles (no buffer allocated)."""
+    del next_creator
+    initial_value = kwargs.get("initial_value")
+    shape = kwargs.get("shape")
+    dtype = kwargs.get("dtype")
+    if callable(initial_value) and shape is None:
+        initial_value = initial_value()
+    if shape is None:
+        shape = initial_value.shape
+    if dtype is None:
+        dtype = initial_value.dtype
+    return resource_variable_ops.UninitializedVariable(
+        shape=shape, dtype=dtype, name=kwargs.get("name"), trainable=kwargs.get("trainable", False))
+
+
+def _trace(model, framework, batch_size, loss, optimizer, labels) -> _TraceResult:
+    loss_fn = keras_adapter.get_loss(framework, loss)
+    opt = keras_adapter.fresh_optimizer(framework, optimizer)
+    x_specs = keras_adapter.input_specs(model, batch_size)
+    y_spec = labels if labels is not None else keras_adapter.label_spec(model, loss, batch_size)
+    trainable = keras_adapter.trainable_variables(model)
+    gradient_box: dict[str, str] = {}
+
+    def train_step(x, y):
+        with tf.variable_creator_scope(_uninitialized_creator):
+            with tf.GradientTape() as tape:
+                prediction = model(x if len(x) > 1 else x[0], training=True)
+                step_loss = loss_fn(y, prediction)
+                extra = keras_adapter.regularization_losses(model)
+                if extra:
+                    step_loss = step_loss + tf.add_n(extra)
+            grads = tape.gradient(step_loss, trainable)
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+            for var, grad in zip(trainable, grads):
+                if grad is not None:
+                    gradient_box[grad.name] = keras_adapter.variable_path(var)
+            opt.apply_gradients(zip(grads, trainable))
+        return step_loss
+
+    with keras_adapter.recording_slots(opt) as slots:
+        concrete = tf.function(train_step).get_concrete_function(list(x_specs), y_spec)
+
+    variables, handle_paths = _collect_variables(model, opt, slots, gradient_box)
+    input_names = tuple(t.name for t in concrete.graph.inputs[: len(x_specs) + 1])
+    return _TraceResult(concrete.graph, input_names, gradient_box, handle_paths, variables)
+
+
+def _collect_variables(model, opt, slots, gradient_box):
+    grad_of = {path: name for name, path in gradient_box.items()}
+    variables: dict[str, ir.Variable] = {}
+    handle_paths: dict[int, str] = {}
+
+    def add(var, kind, **extra):
+        tf_var = keras_adapter.tf_variable(var)
+        path = extra.pop("path", None) or keras_adapter.variable_path(var)
+        if path in variables:
+            return
+        variables[path] = ir.Variable(
+            path=path, shape=tuple(int(d) for d in tf_var.shape), dtype=tf_var.dtype.name,
+            kind=kind, **extra)
+        handle_paths[id(tf_var.handle)] = path
+
+    trainable_ids = {id(keras_adapter.tf_variable(v)) for v in keras_adapter.trainable_variables(model)}
+    for var in keras_adapter.model_variables(model):
+        path = keras_adapter.variable_path(var)
+        is_trainable = id(keras_adapter.tf_variable(var)) in trainable_ids
+        add(var, ir.VariableKind.WEIGHT, trainable=is_trainable, gradient=grad_of.get(path))
+    slot_ids = set()
+    for record in slots:
+        slot_ids.add(id(record.slot))
+        add(record.slot, ir.VariableKind.OPTIMIZER_SLOT,
+            slot_of=keras_adapter.variable_path(record.weight), slot_name=record.slot_name)
+    for var in keras_adapter.optimizer_variables(opt):
+        if id(var) not in slot_ids:
+            kind = ir.VariableKind.OPTIMIZER_STATE if var.shape.rank == 0 else ir.VariableKind.OPTIMIZER_SLOT
+            add(var, kind, path=f"optimizer/{keras_adapter.variable_path(var)}")
+    return variables, handle_paths
+
+
+# -- translation ---------------------------------------------------------------
+
+class _Translator:
+    """Walks a traced FuncGraph (inlining calls) and builds IR ops and tensors."""
+
+    def __init__(self, traced: _TraceResult, layer_names: set[str]):
+        self._traced = traced
+        self._layer_names = layer_names
+        self._ops: list[ir.Op] = []
+        self._tensors: dict[str, ir.Tensor] = {}
+        self._alias: dict[str, str] = {}
+        self._handle_paths: dict[str, str] = {}
+        self._workspace: set[str] = set()
+
+    def translate(self) -> ir.Graph:
+        graph = self._traced.graph
+        self._link_captured_handles(graph)
+        inputs = set(self._traced.input_names)
+        for op in graph.get_operations():
+            if op.type == "Placeholder" and op.outputs[0].name not in inputs:
+                continue  # a captured variable handle: tensors refer to it by path
+            self._add_op(op, prefix="", graph=graph)
+        tensors = self._with_consumers()
+        variables = dict(self._traced.variables)
+        for name, path in self._traced.gradient_names.items():
+            resolved = self._resolve("", name)
+            tensors[resolved] = dataclasses.replace(tensors[resolved], role=ir.Role.GRADIENT, variable_path=path)
+            variables[path] = dataclasses.replace(variables[path], gradient=resolved)
+        return ir.Graph(ops=tuple(self._ops), tensors=tensors, variables=variables)
+
+    def _link_captured_handles(self, graph) -> None:
+        for external, internal in graph.captures:
+            path = self._traced.handle_paths.get(id(external))
+            if path is not None:
+                self._handle_paths[internal.name] = path
+
+    # ops
+    def _add_op(self, op, *, prefix: str, graph) -> None:
+        if op.type in _CALL_OPS:
+            self._inline_call(op, prefix=prefix, graph=graph)
+            return
+        name = prefix + op.name
+        inputs = tuple(self._resolve(prefix, t.name) for t in op.inputs)
+        outputs = tuple(prefix + t.name for t in op.outputs)
+        body = None
+        if op.type in _LOOP_OPS:
+            body = _loop_body(op, graph, self._layer_names)
+        self._ops.append(ir.Op(
+            name=name, type=op.type, inputs=inputs, outputs=outputs,
+            attrs=_attrs(op), layer=_layer_of(name, self._layer_names), body=body))
+        workspace = _WORKSPACE_OUTPUTS.get(op.type, frozenset())
+        if op.type in _WORKSPACE_PASSTHROUGH and inputs and inputs[0] in self._workspace:
+            workspace = frozenset({0})
+        for index, (tensor, out_name) in enumerate(zip(op.outputs, outputs)):
+            if index in workspace:
+                self._workspace.add(out_name)
+                self._tensors[out_name] = ir.Tensor(name=out_name, shape=(), dtype=tensor.dtype.name,
+                                                    role=ir.Role.SCALAR, producer=name)
+            else:
+                self._tensors[out_name] = self._tensor(tensor, out_name, name, op, inputs)
+
+    def _inline_call(self, op, *, prefix: str, graph) -> None:
+        """Splice a called function's ops in place of the call, renaming its
+        inputs to the caller's tensors and the call's outputs to its results."""
+        func_graph = _function_graph(graph, op.get_attr("f").name)
+        inner_prefix = prefix + op.name + "/"
+        for placeholder, outer in zip(func_graph.inputs, op.inputs):
+            self._alias[inner_prefix + placeholder.name] = self._resolve(prefix, outer.name)
+        for inner_op in func_graph.get_operations():
+            if inner_op.type == "Placeholder":
+                continue
+            self._add_op(inner_op, prefix=inner_prefix, graph=func_graph)
+        for index, result in enumerate(func_graph.outputs):
+            self._alias[prefix + op.outputs[index].name] = self._resolve(inner_prefix, result.name)
+
+    def _resolve(self, prefix: str, name: str) -> str:
+        full = prefix + name
+        while full in self._alias:
+            full = self._alias[full]
+        if full not in self._tensors and full in self._handle_paths:
+            self._tensors[full] = ir.Tensor(name=full, shape=(), dtype="resource", role=ir.Role.RESOURCE,
+                                            producer="", variable_path=self._handle_paths[full])
+        return full
+
+    # tensors
+    def _tensor(self, tensor, name: str, producer: str, op, inputs: tuple[str, ...]) -> ir.Tensor:
+        shape = tuple(tensor.shape.as_list()) if tensor.shape.rank is not None else None
+        dtype = tensor.dtype.name
+        variable = self._variable_of(op, inputs)
+        role = self._role(tensor, name, op, shape, dtype, variable)
+        return ir.Tensor(
+            name=name, shape=shape if shape is not None else (None,), dtype=dtype, role=role,
+            producer=producer, variable_path=variable if role in _VARIABLE_ROLES else None,
+            const_value=_const_value(tensor, shape))
+
+    def _variable_of(self, op, inputs) -> str | None:
+        if op.type == "ReadVariableOp" and inputs:
+            source = self._tensors.get(inputs[0])
+            return source.variable_path if source is not None else self._handle_paths.get(inputs[0])
+        return None
+
+    def _role(self, tensor, name, op, shape, dtype, variable) -> ir.Role:
+        if name in self._traced.input_names:
+            return ir.Role.INPUT
+        if dtype == "resource":
+            return ir.Role.RESOURCE
+        if variable is not None:
+            kind = self._traced.variables[variable].kind
+            return {ir.VariableKind.WEIGHT: ir.Role.WEIGHT,
+                    ir.VariableKind.OPTIMIZER_SLOT: ir.Role.OPTIMIZER_SLOT}.get(kind, ir.Role.SCALAR)
+        if shape == () or ir.dtype_size(dtype) == 0:
+            return ir.Role.SCALAR
+        return ir.Role.ACTIVATION
+
+    def _with_consumers(self) -> dict[str, ir.Tensor]:
+        consumers: dict[str, list[str]] = {name: [] for name in self._tensors}
+        for op in self._ops:
+            for name in op.inputs:
+                consumers.setdefault(name, []).append(op.name)
+        return {name: dataclasses.replace(t, consumers=tuple(consumers[name]))
+                for name, t in self._tensors.items()}
+
+
+_VARIABLE_ROLES = frozenset({ir.Role.WEIGHT, ir.Role.OPTIMIZER_SLOT, ir.Role.GRADIENT, ir.Role.RESOURCE, ir.Role.SCALAR})
+
+
+def _function_graph(graph, function_name: str):
+    """The FuncGraph of a function called from ``graph`` (searching enclosing graphs)."""
+    current = graph
+    while current is not None:
+        function = current._get_function(function_name)  # pylint: disable=protected-access
+        if function is not None:
+            inner = getattr(function, "graph", None)
+            if inner is not None:
+                return inner
+            return function_def_to_graph.function_def_to_graph(function.cached_definition)
+        current = getattr(current, "outer_graph", None)
+    raise KeyError(f"function {function_name!r} called in the step is not in its graph library")
+
+
+def _loop_body(op, graph, layer_names) -> ir.Graph:
+    """Translate a loop's body into its own IR graph (its inputs are the loop variables)."""
+    body = _function_graph(graph, op.get_attr("body").name)
+    placeholders = tuple(t.name for t in body.inputs)
+    traced = _TraceResult(body, placeholders, {}, {}, {})
+    translator = _Translator(traced, layer_names)
+    return translator.translate()
+
+
+def _layer_of(op_name: str, layer_names: set[str]) -> str | None:
+    """The innermost Keras layer whose name scope contains the op (forward or its gradient)."""
+    found = None
+    for part in op_name.split("/"):
+        if part in layer_names:
+            found = part
+    return found
+
+
+def _attrs(op) -> dict:
+    out = {}
+    for key in op.node_def.attr:
+        if key in _SKIPPED_ATTRS:
+            continue
+        value = _attr_value(op.node_def.attr[key])
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _attr_value(attr):
+    kind = attr.WhichOneof("value")
+    if kind is None:
+        return None
+    if kind == "list":
+        lst = attr.list
+        for field in ("i", "f", "b", "s"):
+            values = getattr(lst, field)
+            if values:
+                return tuple(v.decode() if isinstance(v, bytes) else v for v in values)
+        if lst.type:
+            return tuple(tf.as_dtype(t).name for t in lst.type)
+        if lst.shape:
+            return tuple(_shape_value(s) for s in lst.shape)
+        return ()
+    if kind in ("i", "f", "b"):
+        return getattr(attr, kind)
+    if kind == "s":
+        return attr.s.decode(errors="replace")
+    if kind == "type":
+        return tf.as_dtype(attr.type).name
+    if kind == "shape":
+        return _shape_value(attr.shape)
+    if kind == "func":
+        return attr.func.name
+    if kind == "tensor":
+        return _small_tensor_value(tf.make_ndarray(attr.tensor))
+    return None
+
+
+def _shape_value(shape_proto):
+    if shape_proto.unknown_rank:
+        return None
+    return tuple(d.size if d.size >= 0 else None for d in shape_proto.dim)
+
+
+def _small_tensor_value(array: np.ndarray):
+    if array.size > _CONST_MAX_ELEMENTS or array.dtype.kind not in "biuf":
+        return None
+    if array.ndim == 0:
+        return array.item()
+    return tuple(np.asarray(array).reshape(-1).tolist())
+
+
+def _const_value(tensor, shape):
+    if shape is None or any(d is None for d in shape) or int(np.prod(shape)) > _CONST_MAX_ELEMENTS:
+        return None
+    if tensor.dtype.is_floating and tensor.op.type != "Const":
+        return None
+    if not (tensor.dtype.is_integer or tensor.dtype.is_floating or tensor.dtype.is_bool):
+        return None
+    try:
+        value = tf.get_static_value(tensor)
+    except Exception:  # constant folding is best effort; a non-constant is simply None
+        return None
+    return None if value is None else _small_tensor_value(np.asarray(value))
+
+
+def _check_static_shapes(graph: ir.Graph) -> None:
+    for tensor in graph.tensors.values():
+        if any(d is None for d in tensor.shape):
+            op = next((o for o in graph.ops if o.name == tensor.producer), None)
+            raise DynamicShapeError(
+                f"tensor {tensor.name!r} (from op {op.type if op else '?'} in layer "
+                f"{op.layer if op else None!r}) has shape {tensor.shape} with an unknown dimension. "
+                "tofu_tf plans static shapes: give the model a fixed input shape "
+                "(keras.Input(shape=...)) and pass batch_size, and avoid ops whose output size "
+                "depends on data.")

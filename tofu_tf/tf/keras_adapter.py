@@ -1,0 +1,168 @@
+"""What tofu_tf needs to know about a Keras model, in one place.
+
+tf-keras (Keras 2) and Keras 3 name variables, build optimizers and create
+optimizer slots differently. Everything that depends on those differences --
+and every touch of a Keras-private attribute -- lives here, so a Keras upgrade
+changes one file. Nothing here plans or lowers; it only answers questions
+about a model and runs its forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Iterator
+
+import tensorflow as tf
+
+
+class UnsupportedModelError(TypeError):
+    """The object given as a model is not a Keras model tofu_tf can trace."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRecord:
+    """An optimizer slot as it was created: the slot variable and the weight it tracks."""
+
+    slot: tf.Variable
+    weight: tf.Variable
+    slot_name: str
+
+
+def framework_of(model) -> str:
+    """``"tf_keras"`` or ``"keras3"``; raises for anything else."""
+    module = type(model).__module__
+    if module.startswith("tf_keras"):
+        return "tf_keras"
+    if module.startswith("keras"):
+        return "keras3"
+    for base in type(model).__mro__:
+        if base.__module__.startswith("tf_keras"):
+            return "tf_keras"
+        if base.__module__.startswith("keras"):
+            return "keras3"
+    raise UnsupportedModelError(
+        f"{type(model).__name__} is not a Keras model (tf_keras or Keras 3). "
+        "Pass a keras.Model / tf_keras.Model instance.")
+
+
+def keras_module(framework: str):
+    if framework == "tf_keras":
+        import tf_keras
+        return tf_keras
+    import keras
+    return keras
+
+
+def variable_path(variable) -> str:
+    """The Keras path of a variable: ``dense_1/kernel`` (tf-keras drops ``:0``;
+    Keras 3 exposes ``.path``)."""
+    path = getattr(variable, "path", None)
+    if isinstance(path, str):
+        return path
+    name = variable.name
+    return name[:-2] if name.endswith(":0") else name
+
+
+def tf_variable(variable) -> tf.Variable:
+    """The tf.Variable behind a Keras variable (Keras 3 wraps one in ``.value``)."""
+    if isinstance(variable, tf.Variable):
+        return variable
+    inner = getattr(variable, "value", None)
+    if isinstance(inner, tf.Variable):
+        return inner
+    raise UnsupportedModelError(f"variable {variable_path(variable)!r} is not backed by a tf.Variable")
+
+
+def input_specs(model, batch_size: int) -> list[tf.TensorSpec]:
+    """One TensorSpec per model input, with the batch dim set to ``batch_size``."""
+    if not model.built or not getattr(model, "inputs", None):
+        raise UnsupportedModelError(
+            f"model {model.name!r} has no known inputs: build it first, e.g. start it with "
+            "keras.Input(shape=...) or call model.build((batch, ...)).")
+    specs = []
+    for tensor in model.inputs:
+        shape = list(tensor.shape)
+        if shape and shape[0] is not None and shape[0] != batch_size:
+            raise ValueError(
+                f"model input {getattr(tensor, 'name', '?')!r} fixes the batch size to {shape[0]}, "
+                f"but batch_size={batch_size} was asked for: pass batch_size={shape[0]} or "
+                "rebuild the model's Input without batch_size.")
+        specs.append(tf.TensorSpec([batch_size] + shape[1:], tf.as_dtype(tensor.dtype)))
+    return specs
+
+
+def label_spec(model, loss, batch_size: int) -> tf.TensorSpec:
+    """The labels the loss expects: integer class ids for sparse losses, else
+    a tensor shaped like the model output."""
+    out_shape = list(model.outputs[0].shape)
+    loss_name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", "")
+    if "sparse" in str(loss_name).lower():
+        return tf.TensorSpec([batch_size] + out_shape[1:-1], tf.int32)
+    return tf.TensorSpec([batch_size] + out_shape[1:], tf.float32)
+
+
+def get_loss(framework: str, loss) -> Callable:
+    return keras_module(framework).losses.get(loss)
+
+
+def fresh_optimizer(framework: str, optimizer):
+    """A new, unbuilt optimizer with the user's configuration.
+
+    Tracing builds an optimizer (it creates slots); doing that to the user's
+    own optimizer would leave it holding capture-time placeholders.
+    """
+    optimizer = keras_module(framework).optimizers.get(optimizer)
+    return optimizer.__class__.from_config(optimizer.get_config())
+
+
+@contextlib.contextmanager
+def recording_slots(optimizer) -> Iterator[list[SlotRecord]]:
+    """Record which weight each optimizer slot is created for.
+
+    Both Keras versions create slots through ``add_variable_from_reference``;
+    wrapping it on this (capture-only) instance is the one reliable link from
+    slot to weight.
+    """
+    records: list[SlotRecord] = []
+    original = optimizer.add_variable_from_reference
+
+    def wrapper(*args, **kwargs):
+        # tf-keras calls it as (model_variable, variable_name), Keras 3 as
+        # (reference_variable, name); positionally or by keyword.
+        named = dict(zip(("reference", "name"), args))
+        reference = named.get("reference", kwargs.get("model_variable", kwargs.get("reference_variable")))
+        name = named.get("name", kwargs.get("variable_name", kwargs.get("name")))
+        slot = original(*args, **kwargs)
+        records.append(SlotRecord(slot=tf_variable(slot), weight=tf_variable(reference), slot_name=str(name)))
+        return slot
+
+    optimizer.add_variable_from_reference = wrapper
+    try:
+        yield records
+    finally:
+        del optimizer.add_variable_from_reference
+
+
+def optimizer_variables(optimizer) -> list[tf.Variable]:
+    return [tf_variable(v) for v in optimizer.variables]
+
+
+def model_variables(model) -> list:
+    return list(model.weights)
+
+
+def trainable_variables(model) -> list:
+    return list(model.trainable_variables)
+
+
+def regularization_losses(model) -> list:
+    return list(model.losses)
+
+
+def layer_names(model) -> set[str]:
+    """Names of every layer, nested ones included, as they appear in op name scopes."""
+    names = set()
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        names.add(layer.name)
+    return names
