@@ -90,9 +90,10 @@ def _uninitialized_creator(next_creator, **kwargs):
     initial_value = kwargs.get("initial_value")
     shape = kwargs.get("shape")
     dtype = kwargs.get("dtype")
-    if callable(initial_value) and shape is None:
-        initial_value = initial_value()
     if shape is None:
+        shape = getattr(initial_value, "shape", None)
+    if shape is None and callable(initial_value):
+        initial_value = initial_value()  # an initializer without a known shape must run
         shape = initial_value.shape
     if dtype is None:
         dtype = initial_value.dtype
@@ -124,7 +125,7 @@ def _trace(model, framework, batch_size, loss, optimizer, labels) -> _TraceResul
             opt.apply_gradients(zip(grads, trainable))
         return step_loss
 
-    with keras_adapter.recording_slots(opt) as slots:
+    with keras_adapter.recording_slots(opt, defer_zeros=framework == "tf_keras") as slots:
         concrete = tf.function(train_step).get_concrete_function(list(x_specs), y_spec)
 
     variables, handle_paths = _collect_variables(model, opt, slots, gradient_box)

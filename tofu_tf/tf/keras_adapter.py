@@ -116,8 +116,25 @@ def fresh_optimizer(framework: str, optimizer):
     return optimizer.__class__.from_config(optimizer.get_config())
 
 
+class DeferredZeros:
+    """A zeros initial value that knows its shape without being computed.
+
+    tf-keras builds optimizers under ``tf.init_scope()``, so a plain
+    ``tf.zeros(shape)`` there allocates a full slot eagerly. Handing this
+    callable in instead lets a variable creator read shape and dtype and skip
+    the allocation; calling it still gives real zeros.
+    """
+
+    def __init__(self, shape, dtype):
+        self.shape = tf.TensorShape(shape)
+        self.dtype = tf.as_dtype(dtype)
+
+    def __call__(self):
+        return tf.zeros(self.shape, self.dtype)
+
+
 @contextlib.contextmanager
-def recording_slots(optimizer) -> Iterator[list[SlotRecord]]:
+def recording_slots(optimizer, *, defer_zeros: bool = False) -> Iterator[list[SlotRecord]]:
     """Record which weight each optimizer slot is created for.
 
     Both Keras versions create slots through ``add_variable_from_reference``;
@@ -133,6 +150,10 @@ def recording_slots(optimizer) -> Iterator[list[SlotRecord]]:
         named = dict(zip(("reference", "name"), args))
         reference = named.get("reference", kwargs.get("model_variable", kwargs.get("reference_variable")))
         name = named.get("name", kwargs.get("variable_name", kwargs.get("name")))
+        if defer_zeros and len(args) < 4 and kwargs.get("initial_value") is None:
+            shape = kwargs.get("shape") if len(args) < 3 else args[2]
+            dtype = getattr(reference, "true_dtype", reference.dtype)
+            kwargs["initial_value"] = DeferredZeros(reference.shape if shape is None else shape, dtype)
         slot = original(*args, **kwargs)
         records.append(SlotRecord(slot=tf_variable(slot), weight=tf_variable(reference), slot_name=str(name)))
         return slot

@@ -1,0 +1,144 @@
+"""Capture of tf-keras training steps into the IR."""
+
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+import tofu_tf
+from tofu_tf import ir, models
+
+
+def _transformer_block():
+    """MultiHeadAttention + LayerNormalization + Embedding + softmax + dropout."""
+    tokens = keras.Input((8,), dtype="int32")
+    x = keras.layers.Embedding(50, 16, name="embed")(tokens)
+    attention = keras.layers.MultiHeadAttention(2, 8, dropout=0.1, name="mha")(x, x)
+    x = keras.layers.LayerNormalization(name="ln1")(x + attention)
+    h = keras.layers.Dense(32, activation="relu", name="ffn_in")(x)
+    x = keras.layers.LayerNormalization(name="ln2")(x + keras.layers.Dense(16, name="ffn_out")(h))
+    x = keras.layers.Dropout(0.1)(x)
+    return keras.Model(tokens, keras.layers.Dense(50, name="head")(x))
+
+
+BUILDERS = {
+    "mlp": lambda: models.mlp(width=32),
+    "cnn": lambda: models.cnn(),
+    "lstm": lambda: models.rnn(cell="lstm", hidden=16, seq_len=5),
+    "transformer": _transformer_block,
+}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def captured(request):
+    model = BUILDERS[request.param]()
+    graph = tofu_tf.capture_training_step(model, batch_size=8, loss="sparse_categorical_crossentropy",
+                                          optimizer="adam")
+    return request.param, model, graph
+
+
+def test_every_tensor_has_a_static_shape(captured):
+    _, _, graph = captured
+    for tensor in graph.tensors.values():
+        assert all(isinstance(d, int) and d >= 0 for d in tensor.shape), tensor
+
+
+def test_bytes_by_role_match_keras(captured):
+    _, model, graph = captured
+    totals = graph.bytes_by_role()
+    trainable_bytes = sum(int(tf.size(v)) * v.dtype.size for v in model.trainable_variables)
+    assert totals["weight"] == model.count_params() * 4
+    assert totals["gradient"] == trainable_bytes
+    assert totals["optimizer_slot"] == 2 * trainable_bytes  # Adam: m and v
+    assert totals["input"] > 0 and totals["activation"] > 0
+
+
+def test_every_trainable_weight_links_gradient_and_slots(captured):
+    _, model, graph = captured
+    for variable in model.trainable_variables:
+        path = variable.name[:-2]
+        weight = graph.variables[path]
+        assert weight.trainable and weight.kind is ir.VariableKind.WEIGHT
+        gradient = graph.tensors[weight.gradient]
+        assert gradient.role is ir.Role.GRADIENT and gradient.variable_path == path
+        assert gradient.shape == weight.shape
+        slots = graph.slots_of(path)
+        assert sorted(s.slot_name for s in slots) == ["m", "v"]
+        assert all(s.shape == weight.shape for s in slots)
+
+
+def test_weights_are_read_through_weight_or_handle_tensors(captured):
+    """Most weights are read by ReadVariableOp; an Embedding gathers from the handle."""
+    _, model, graph = captured
+    read_paths = {t.variable_path for t in graph.tensors.values()
+                  if t.role in (ir.Role.WEIGHT, ir.Role.RESOURCE) and t.consumers}
+    assert {v.name[:-2] for v in model.trainable_variables} <= read_paths
+
+
+def test_json_round_trip(captured):
+    _, _, graph = captured
+    assert ir.Graph.from_json(graph.to_json()) == graph
+
+
+def test_ops_are_attributed_to_layers(captured):
+    name, model, graph = captured
+    layers = {op.layer for op in graph.ops if op.layer}
+    dense_like = {l.name for l in model.layers if l.weights}
+    assert dense_like <= layers, f"{name}: layers without ops {dense_like - layers}"
+
+
+def test_calls_are_inlined_and_loops_kept_with_bodies():
+    model = BUILDERS["lstm"]()
+    graph = tofu_tf.capture_training_step(model, batch_size=4, loss="sparse_categorical_crossentropy",
+                                          optimizer="sgd")
+    types = graph.op_type_counts(recursive=False)
+    assert not {"PartitionedCall", "StatefulPartitionedCall"} & set(types)
+    loops = [op for op in graph.ops if op.type in ("While", "StatelessWhile")]
+    assert len(loops) >= 2  # the forward recurrence and its gradient
+    assert all(op.body is not None and op.body.ops for op in loops)
+    assert "MatMul" in loops[0].body.op_type_counts()
+
+
+def test_capture_does_not_build_the_users_optimizer():
+    model = BUILDERS["mlp"]()
+    optimizer = keras.optimizers.Adam()
+    before = len(optimizer.variables)
+    tofu_tf.capture_training_step(model, batch_size=8, loss="sparse_categorical_crossentropy",
+                                  optimizer=optimizer)
+    assert len(optimizer.variables) == before
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    model.fit(tf.zeros((8, 16)), tf.zeros((8,), tf.int32), epochs=1, verbose=0)  # still trains
+
+
+def test_capture_allocates_nothing_model_sized():
+    """Optimizer slots are traced as uninitialized handles: no buffer is allocated."""
+    model = models.mlp(input_dim=512, width=1024, depth=2)  # ~5.3 MB of weights
+    weight_bytes = model.count_params() * 4
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    tofu_tf.capture_training_step(model, batch_size=4, loss="sparse_categorical_crossentropy", optimizer="adam")
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    assert peak - start < weight_bytes / 100, (peak - start, weight_bytes)
+
+
+def test_dynamic_dimension_names_the_tensor_and_the_fix():
+    inputs = keras.Input((None, 4))
+    model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+    with pytest.raises(tofu_tf.DynamicShapeError, match=r"unknown dimension.*keras.Input\(shape=...\)"):
+        tofu_tf.capture_training_step(model, batch_size=2, loss="mse", optimizer="sgd")
+
+
+def test_unbuilt_model_is_rejected_with_a_remedy():
+    model = keras.Sequential([keras.layers.Dense(3)])
+    with pytest.raises(TypeError, match="build it first"):
+        tofu_tf.capture_training_step(model, batch_size=2, loss="mse", optimizer="sgd")
+
+
+def test_conflicting_fixed_batch_size_is_rejected():
+    model = models.mlp(batch_size=4)
+    with pytest.raises(ValueError, match="fixes the batch size to 4"):
+        tofu_tf.capture_training_step(model, batch_size=8, loss="mse", optimizer="sgd")
+
+
+def test_bad_batch_size_is_rejected():
+    with pytest.raises(ValueError, match="positive int"):
+        tofu_tf.capture_training_step(models.mlp(), batch_size=0, loss="mse", optimizer="sgd")
