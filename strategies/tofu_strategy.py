@@ -1,0 +1,379 @@
+"""TofuStrategy: plan a Keras model's training step and train it sharded on DTensor.
+
+The user writes::
+
+    with TofuStrategy(num_gpus=8).scope():
+        model = build_model()
+        model.compile(optimizer="adam", loss=...)
+    model.fit(x, y, batch_size=64)
+
+What happens, in order:
+
+1. ``TofuStrategy(...)`` picks devices: ``num_gpus`` GPUs when visible, else
+   as many virtual CPU devices (logged).
+2. Variables created under ``scope()`` are *deferred*
+   (``tofu_tf.tf.variables.DeferredVariable``): shape, dtype, initializer, no
+   buffer.
+3. At the first step Keras runs (``fit``, ``evaluate`` or ``predict``), the
+   strategy finds the model in the step function, captures its training step
+   for the real batch shape, plans it (``tofu_tf.search``), lowers the plan to a
+   DTensor mesh and layouts, and materializes every deferred variable shard by
+   shard in its planned layout. The plan is logged and kept in
+   ``strategy.plan``.
+4. Each step runs once, in DTensor's global view: inputs are relaid to the
+   plan's batch layout, Keras sees one replica (so it does not rescale the
+   loss: DTensor gradients are already global), and variables forward their
+   in-step writes to later reads (see ``tofu_tf.tf.variables``).
+
+Built on TF's DTensor strategy machinery
+(``tensorflow/python/distribute/experimental``), whose Keras integration
+loses updates; the differences are marked where they are made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import tensorflow as tf
+from absl import logging
+from tensorflow.experimental import dtensor
+from tensorflow.dtensor.python import input_util
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.data.experimental.ops import distribute as distribute_input
+from tensorflow.python.distribute.experimental import dtensor_strategy_extended
+from tensorflow.python.distribute.experimental import dtensor_util
+
+from strategies import keras_hooks
+from tofu_tf.tf import devices as devices_lib
+from tofu_tf.tf import lowering
+from tofu_tf.tf import variables as variables_lib
+
+
+class PlanningError(RuntimeError):
+    """The strategy could not make a plan for the model it was asked to train."""
+
+
+class TofuStrategy(distribute_lib.Strategy):
+    """Trains a Keras model partitioned across ``num_gpus`` devices by the Tofu planner.
+
+    Args:
+      num_gpus: devices to train on. GPUs when that many are visible, else the
+        same number of virtual CPU devices (logged as a warning).
+      memory_budget_bytes: per-device budget the plan must fit (default: the
+        hardware profile's device memory).
+      mesh_shape: fix the mesh, e.g. ``{"batch": 2, "model": 4}``; default:
+        the planner searches all factorizations of ``num_gpus``.
+      hardware: a ``tofu_tf.cost`` hardware profile or its name; default:
+        CPU virtual devices on CPU, H100 NVLink on GPUs.
+      method: planner, ``"tofu"`` (default), ``"ilp"``, ``"data_parallel"``
+        or ``"megatron"``.
+      plan: use this plan (a ``tofu_tf.Plan`` or anything with ``mesh_shape``,
+        ``variable_layouts`` and ``input_layouts``) instead of planning.
+    """
+
+    def __init__(self, num_gpus: int = 8, *, memory_budget_bytes: int | None = None,
+                 mesh_shape=None, hardware=None, method: str = "tofu", plan=None):
+        device_set = devices_lib.provide_devices(num_gpus)
+        options = _PlanOptions(memory_budget_bytes=memory_budget_bytes, mesh_shape=mesh_shape,
+                               hardware=hardware or ("cpu" if device_set.device_type == "CPU" else "h100_nvlink"),
+                               method=method)
+        super().__init__(_TofuExtended(self, device_set, options, plan))
+
+    @property
+    def plan(self):
+        """The plan in force (None until the first step or ``plan_model``)."""
+        return self.extended._plan
+
+    @property
+    def _mesh(self):
+        # tf-keras switches BatchNormalization and its optimizers to DTensor's
+        # global view when the strategy has a `_mesh` (dtensor/utils.py).
+        return self.extended.mesh
+
+    @property
+    def mesh(self) -> dtensor.Mesh:
+        return self.extended.mesh
+
+    def plan_model(self, model, *, batch_size: int, loss=None, optimizer=None):
+        """Plan ``model`` now (instead of at its first step) and materialize its variables."""
+        self.extended.plan_for(model, batch_size=batch_size, loss=loss, optimizer=optimizer, labels=None)
+        return self.plan
+
+    def reduce(self, reduce_op, value, axis):
+        return dtensor_util.dtensor_reduce(self, reduce_op, value, axis)
+
+
+class _PlanOptions:
+    def __init__(self, *, memory_budget_bytes, mesh_shape, hardware, method):
+        self.memory_budget_bytes = memory_budget_bytes
+        self.mesh_shape = mesh_shape
+        self.hardware = hardware
+        self.method = method
+
+
+class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
+    """DTensor strategy internals with deferred, planned variables."""
+
+    def __init__(self, container_strategy, device_set, options, plan):
+        self._devices = device_set
+        self._options = options
+        self._plan = None
+        self._lowered = None
+        self._deferred: list[variables_lib.DeferredVariable] = []
+        self._passthrough = False
+        # Before a plan exists Keras still asks for a mesh; a 1-D batch mesh over
+        # the same devices answers until the planned mesh replaces it.
+        self._provisional = lowering.make_mesh({"batch": device_set.count}, device_set)
+        super().__init__(container_strategy, self._provisional)
+        # tf-keras keeps a fixed `keras.Input(batch_size=...)` global when this is set.
+        self._global_batch_size = True
+        if plan is not None:
+            self._adopt(plan)
+
+    # -- mesh and plan ---------------------------------------------------------
+    @property
+    def mesh(self) -> dtensor.Mesh:
+        return self._lowered.mesh if self._lowered is not None else self._provisional
+
+    def _adopt(self, plan) -> None:
+        inputs = list(getattr(plan, "input_layouts", {}).values())
+        self._lowered = lowering.lower(plan.mesh_shape, plan.variable_layouts, inputs, self._devices)
+        self._mesh = self._lowered.mesh
+        self._plan = plan
+        summary = plan.summary() if hasattr(plan, "summary") else repr(plan)
+        logging.info("TofuStrategy plan:\n%s", summary)
+        self._materialize_deferred()
+
+    def plan_for(self, model, *, batch_size, loss, optimizer, labels) -> None:
+        if self._plan is not None:
+            return
+        from tofu_tf.search import plan_graph
+        from tofu_tf.tf.capture import capture_training_step
+
+        loss = loss if loss is not None else keras_hooks.compiled_loss(model) or "mse"
+        optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None) or "sgd"
+        logging.info("TofuStrategy: planning %s for batch %d on %d %s devices", model.name, batch_size,
+                     self._devices.count, self._devices.device_type)
+        with self._creating_plain_variables():
+            graph = capture_training_step(model, batch_size=batch_size, loss=loss, optimizer=optimizer,
+                                          labels=labels)
+            plan = plan_graph(graph, num_devices=self._devices.count, method=self._options.method,
+                              memory_budget_bytes=self._options.memory_budget_bytes,
+                              mesh_shape=self._options.mesh_shape, hardware=self._options.hardware)
+        self._adopt(plan)
+
+    @contextlib.contextmanager
+    def _creating_plain_variables(self):
+        """While capturing, variables (the capture's own optimizer) are not the model's."""
+        self._passthrough = True
+        try:
+            yield
+        finally:
+            self._passthrough = False
+
+    # -- variables -------------------------------------------------------------
+    def _create_variable(self, next_creator, **kwargs):
+        for key in ("use_resource", "colocate_with", "expected_shape", "synchronization", "aggregation"):
+            kwargs.pop(key, None)
+        if self._passthrough:
+            return next_creator(**kwargs)
+        initial_value = kwargs.pop("initial_value")
+        dtype = kwargs.pop("dtype", None)
+        shape = _initial_shape(initial_value, kwargs.pop("shape", None))
+        dtype = tf.as_dtype(dtype) if dtype is not None else _initial_dtype(initial_value)
+        if self._lowered is None:
+            variable = variables_lib.DeferredVariable(
+                initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
+                trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
+            self._deferred.append(variable)
+            return variable
+        with tf.init_scope():
+            deferred = variables_lib.DeferredVariable(
+                initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
+                trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
+            return variables_lib.materialize(deferred, self._layout_of(deferred))
+
+    def variable_created_in_scope(self, v):
+        return isinstance(v, (variables_lib.TofuVariable, variables_lib.DeferredVariable))
+
+    def _materialize_deferred(self) -> None:
+        with tf.init_scope():
+            for variable in self._deferred:
+                variables_lib.materialize(variable, self._layout_of(variable))
+        self._deferred.clear()
+
+    def _layout_of(self, variable) -> dtensor.Layout:
+        path = _plan_path(keras_path(variable), self._plan, variable.shape)
+        return self._lowered.layout_for(path, variable.shape.rank)
+
+    # -- running steps -----------------------------------------------------------
+    @property
+    def _num_replicas_in_sync(self):
+        # DTensor computes the global loss and global gradients in one program;
+        # Keras must not divide the loss by a replica count.
+        return 1
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        """Lay batches out on the planned mesh (planning first if needed).
+
+        Keras distributes the dataset before its first step, and DTensor's
+        dataset needs the mesh, so this is where a model is planned when
+        ``fit``/``evaluate``/``predict`` start.
+        """
+        batch_size = int(distribute_input.compute_batch_size(dataset).numpy())
+        if batch_size < 0:
+            raise PlanningError(
+                "TofuStrategy needs a static batch size: batch the dataset with drop_remainder=True, "
+                "or pass numpy arrays whose length is a multiple of batch_size.")
+        if self._lowered is None:
+            self._plan_for_dataset(dataset, batch_size)
+        element_spec = dataset.element_spec
+        dataset = dataset.unbatch()
+        layouts = tf.nest.map_structure(
+            lambda spec: self._lowered.batch_layout(len(spec.shape) + 1), dataset.element_spec)
+        del element_spec
+        return input_util.DTensorDataset(
+            dataset=dataset, mesh=self.mesh, layouts=layouts, global_batch_size=batch_size,
+            dataset_already_batched=False, batch_dim=self._lowered.batch_axis, prefetch=None,
+            tf_data_service_config=None)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        return self._experimental_distribute_dataset(dataset_fn(distribute_lib.InputContext()), options)
+
+    def _plan_for_dataset(self, dataset, batch_size) -> None:
+        model = keras_hooks.find_model_in_stack()
+        if model is None:
+            raise PlanningError(
+                "TofuStrategy must plan a model before distributing a dataset, and none is being "
+                "trained here. Call strategy.plan_model(model, batch_size=...) first.")
+        spec = dataset.element_spec
+        labels = None
+        if isinstance(spec, tuple) and len(spec) > 1 and isinstance(spec[1], tf.TensorSpec):
+            labels = tf.TensorSpec([batch_size] + spec[1].shape[1:].as_list(), spec[1].dtype)
+        self.plan_for(model, batch_size=batch_size, loss=None, optimizer=None, labels=labels)
+
+    def call_for_each_replica(self, fn, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._lowered is None:
+            self._plan_from_step(fn, args)
+        args = tf.nest.map_structure(self._to_batch_layout, args)
+        kwargs = tf.nest.map_structure(self._to_batch_layout, kwargs)
+        with self._container_strategy().scope(), _GlobalReplicaContext(self._container_strategy()):
+            result = fn(*args, **kwargs)
+        return tf.nest.map_structure(_as_distributed_value, result)
+
+    def _plan_from_step(self, fn, args) -> None:
+        model = keras_hooks.find_model(fn)
+        if model is None:
+            raise PlanningError(
+                "TofuStrategy.run was called before a plan exists and the step function does not "
+                "close over a Keras model. Call strategy.plan_model(model, batch_size=...) first.")
+        step = keras_hooks.split_step_data(args)
+        if not step.features or step.features[0].shape.rank is None or step.features[0].shape[0] is None:
+            raise PlanningError(
+                "TofuStrategy needs a static batch size: pass batch_size to fit/evaluate/predict and "
+                "make the number of samples a multiple of it (or use drop_remainder=True).")
+        labels = None
+        if step.labels is not None and tf.is_tensor(step.labels):
+            labels = tf.TensorSpec(step.labels.shape, step.labels.dtype)
+        self.plan_for(model, batch_size=int(step.features[0].shape[0]), loss=None, optimizer=None,
+                      labels=labels)
+
+    def _to_batch_layout(self, value):
+        """Inputs of a step, on the planned mesh in the plan's batch layout.
+
+        In a graph, inputs come from the distributed dataset and already carry
+        layouts; eager tensors passed to ``run`` are copied onto the mesh.
+        """
+        if not tf.is_tensor(value) or isinstance(value, tf.Variable):
+            return value
+        if not tf.executing_eagerly():
+            return value
+        if not dtensor.is_dtensor(value):
+            value = dtensor.copy_to_mesh(value, dtensor.Layout.replicated(self.mesh, value.shape.rank))
+        return dtensor.relayout(value, self._lowered.batch_layout(value.shape.rank))
+
+    def _update(self, var, fn, args, kwargs, group):
+        return fn(var, *args, **kwargs)
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        return value
+
+
+class _GlobalReplicaContext(dtensor_util.DTensorReplicaContext):
+    """The replica context of one global DTensor program.
+
+    TF's DTensor replica context raises on all_reduce/merge_call. In the global
+    view a value is already reduced over the batch, so all_reduce returns it and
+    merge_call runs the function once, in cross-replica mode.
+    """
+
+    def merge_call(self, merge_fn, args=(), kwargs=None):
+        with _cross_replica(self._strategy):
+            return merge_fn(self._strategy, *args, **(kwargs or {}))
+
+    def all_reduce(self, reduce_op, value, options=None):
+        return value
+
+    def _update(self, var, fn, args=(), kwargs=None, group=True):
+        return fn(var, *args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _cross_replica(strategy):
+    distribute_lib._push_per_thread_mode(distribute_lib._CrossReplicaThreadMode(strategy))  # pylint: disable=protected-access
+    try:
+        yield
+    finally:
+        distribute_lib._pop_per_thread_mode()  # pylint: disable=protected-access
+
+
+def _as_distributed_value(value):
+    if tf.is_tensor(value) and not isinstance(value, tf.Variable):
+        return dtensor_util.DTensorDistributedValue(value)
+    return value
+
+
+def keras_path(variable) -> str:
+    name = variable.name
+    return name[:-2] if name.endswith(":0") else name
+
+
+def _plan_path(path: str, plan, shape) -> str:
+    """The plan's name for a variable: its own path, or for an optimizer slot
+    (``Adam/m/dense/kernel``) the weight it tracks when the slot is unplanned."""
+    layouts = plan.variable_layouts
+    if path in layouts:
+        return path
+    parts = path.split("/")
+    for start in range(1, len(parts)):
+        candidate = "/".join(parts[start:])
+        if candidate in layouts and len(layouts[candidate]) == len(shape):
+            return candidate
+    return path
+
+
+def _initial_shape(initial_value, shape):
+    if shape is not None:
+        return tf.TensorShape(shape)
+    if isinstance(initial_value, functools.partial) and initial_value.args:
+        return tf.TensorShape(initial_value.args[0])
+    inner = getattr(initial_value, "shape", None)
+    if inner is not None:
+        return tf.TensorShape(inner)
+    if callable(initial_value):
+        logging.warning("TofuStrategy: evaluating an initializer of unknown shape to learn its shape")
+        return tf.convert_to_tensor(initial_value()).shape
+    return tf.convert_to_tensor(initial_value).shape
+
+
+def _initial_dtype(initial_value):
+    if isinstance(initial_value, functools.partial):
+        dtype = initial_value.keywords.get("dtype")
+        if dtype is not None:
+            return tf.as_dtype(dtype)
+    dtype = getattr(initial_value, "dtype", None)
+    if dtype is not None:
+        return tf.as_dtype(dtype)
+    return tf.convert_to_tensor(initial_value() if callable(initial_value) else initial_value).dtype

@@ -1,0 +1,65 @@
+"""Lower a plan to DTensor: a mesh over real devices and a layout per variable
+and per batch input.
+
+A plan names mesh axes and, per tensor dim, a mesh axis or None; DTensor
+wants ``dtensor.Mesh`` and ``dtensor.Layout`` objects with ``UNSHARDED`` for
+None. Activations are not given layouts here: DTensor's per-op SPMD expansion
+propagates them from the variables and the batch, which is what the plan's
+activation layouts follow from in the first place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+from tensorflow.experimental import dtensor
+
+from tofu_tf.tf.devices import DeviceSet
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """The DTensor objects a strategy needs, derived once from a plan."""
+
+    mesh: dtensor.Mesh
+    variable_layouts: Mapping[str, tuple]
+    batch_axis: str | None
+
+    def layout_for(self, path: str, rank: int) -> dtensor.Layout:
+        spec = self.variable_layouts.get(path)
+        if spec is None or len(spec) != rank:
+            return dtensor.Layout.replicated(self.mesh, rank=rank)
+        return dtensor.Layout([dtensor.UNSHARDED if a is None else a for a in spec], self.mesh)
+
+    def batch_layout(self, rank: int) -> dtensor.Layout:
+        """Batch dim split on the plan's batch axis; the rest replicated."""
+        if rank == 0 or self.batch_axis is None:
+            return dtensor.Layout.replicated(self.mesh, rank=rank)
+        return dtensor.Layout.batch_sharded(self.mesh, self.batch_axis, rank=rank)
+
+
+def make_mesh(mesh_shape: Mapping[str, int], devices: DeviceSet) -> dtensor.Mesh:
+    sizes = list(mesh_shape.values())
+    total = 1
+    for size in sizes:
+        total *= size
+    if total != devices.count:
+        raise ValueError(
+            f"mesh {dict(mesh_shape)} has {total} devices but {devices.count} are available "
+            f"({devices.device_type}); pick a mesh whose axis sizes multiply to {devices.count}.")
+    return dtensor.create_mesh(list(mesh_shape.items()), devices=list(devices.names),
+                               device_type=devices.device_type)
+
+
+def lower(mesh_shape: Mapping[str, int], variable_layouts: Mapping[str, tuple],
+          input_layouts: Sequence[tuple], devices: DeviceSet) -> Lowered:
+    """Mesh + layouts for a plan. The batch axis is the mesh axis that splits
+    dim 0 of the plan's batch inputs (None when the batch is replicated)."""
+    batch_axis = None
+    for layout in input_layouts:
+        if layout and layout[0] is not None:
+            batch_axis = layout[0]
+            break
+    return Lowered(mesh=make_mesh(mesh_shape, devices), variable_layouts=dict(variable_layouts),
+                   batch_axis=batch_axis)

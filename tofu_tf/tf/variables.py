@@ -1,0 +1,173 @@
+"""Variables that TofuStrategy creates: deferred until planned, then sharded.
+
+Two problems live here, and only here:
+
+* **Never materialize a full-size weight.** Under ``TofuStrategy.scope()`` a
+  variable is first a ``DeferredVariable``: an uninitialized handle with a
+  shape, a dtype, a path and the initializer Keras gave it, and no buffer.
+  Once the plan exists, ``materialize`` runs the initializer under the planned
+  DTensor layout, so each device computes only its own shard, and turns the
+  same Python object into a ``TofuVariable`` (layers, optimizers and
+  checkpoints keep the object they hold).
+* **Read-after-write inside one step.** DTensor does not keep the order of a
+  write and a later read of the same variable when the step's inputs are
+  batch-sharded: an optimizer that writes a slot and then reads it (SGD with
+  momentum, Adam) reads the old value, so the first update is lost and every
+  later one lags by a step (checked on TF 2.21; ../shared/NOTES.md reports the
+  symptom for TF's own DTensor strategy). A ``TofuVariable`` therefore
+  forwards its last written value to later reads in the same graph: the read
+  depends on the write by data, which no scheduler can reorder.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+from tensorflow.dtensor.python import d_variable
+from tensorflow.experimental import dtensor
+from tensorflow.python.ops import resource_variable_ops
+
+
+class TofuVariable(d_variable.DVariable):
+    """A DTensor variable whose in-graph reads see its in-graph writes."""
+
+    def _written_values(self) -> weakref.WeakKeyDictionary:
+        written = self.__dict__.get("_tofu_written")
+        if written is None:
+            written = weakref.WeakKeyDictionary()
+            self.__dict__["_tofu_written"] = written
+        return written
+
+    def _read_variable_op(self, no_copy=False):
+        if not tf.executing_eagerly():
+            value = self._written_values().get(tf.compat.v1.get_default_graph())
+            if value is not None:
+                return tf.identity(value)
+        return super()._read_variable_op(no_copy=no_copy)
+
+    def numpy(self):
+        """The full value on the host, assembled from the shards.
+
+        DTensor refuses to copy a sharded tensor off its mesh; assembling on
+        the host keeps one full copy there and none on any device.
+        """
+        if not tf.executing_eagerly():
+            raise NotImplementedError("numpy() is only available eagerly")
+        return gather_to_host(self.read_value(), self.layout)
+
+    def _write(self, value, use_locking, name, read_value):
+        value = dtensor.relayout(tf.convert_to_tensor(value, dtype=self.dtype), self.layout)
+        result = super().assign(value, use_locking, name, read_value)
+        if not tf.executing_eagerly():
+            self._written_values()[tf.compat.v1.get_default_graph()] = value
+        return result
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        return self._write(value, use_locking, name, read_value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        if tf.executing_eagerly():
+            return super().assign_add(delta, use_locking, name, read_value)
+        return self._write(self._read_variable_op() + delta, use_locking, name, read_value)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        if tf.executing_eagerly():
+            return super().assign_sub(delta, use_locking, name, read_value)
+        return self._write(self._read_variable_op() - delta, use_locking, name, read_value)
+
+
+def gather_to_host(value, layout: dtensor.Layout) -> np.ndarray:
+    """Assemble a DTensor's full value in host memory from its device shards."""
+    if layout.is_fully_replicated():
+        return dtensor.unpack(value)[0].numpy()
+    shards = dtensor.unpack(value)
+    locations = layout.mesh.local_device_locations()
+    out = np.empty(value.shape, dtype=value.dtype.as_numpy_dtype)
+    for shard, location in zip(shards, locations):
+        index = []
+        for dim, axis in enumerate(layout.sharding_specs):
+            size = shard.shape[dim]
+            start = location[axis] * size if axis != dtensor.UNSHARDED else 0
+            index.append(slice(start, start + size))
+        out[tuple(index)] = shard.numpy()
+    return out
+
+
+class DeferredVariable(resource_variable_ops.UninitializedVariable):
+    """A variable waiting for its layout: shape, dtype and initializer, no buffer.
+
+    It can be traced (capture only needs shapes), but reading its value
+    eagerly before the plan exists is an error that says what to do.
+    """
+
+    def __init__(self, *, initial_value, shape, dtype, name, trainable, extra_kwargs):
+        super().__init__(shape=shape, dtype=dtype, name=name, trainable=trainable)
+        self._tofu_initial_value = initial_value
+        self._tofu_kwargs = dict(extra_kwargs)
+
+    def numpy(self):
+        raise DeferredVariableError(self.name)
+
+
+class DeferredVariableError(RuntimeError):
+    def __init__(self, name):
+        super().__init__(
+            f"variable {name!r} has no value yet: TofuStrategy creates variables once the model "
+            "is planned, at the first fit/evaluate/predict call or at strategy.plan_model(model, ...). "
+            "Call one of those before reading weights.")
+
+
+def materialize(variable: DeferredVariable, layout: dtensor.Layout) -> TofuVariable:
+    """Give ``variable`` its buffer, sharded by ``layout``, in place.
+
+    Keras initializers take a ``layout`` argument and then produce each shard
+    on its own device (stateless random ops keyed per shard), so the full
+    value never exists on one device. Other initial values (constants, plain
+    callables) are built whole once and then sharded; that is logged.
+    """
+    initial_value = variable._tofu_initial_value
+    dtype = variable.dtype
+    shape = variable.shape
+
+    def sharded_initial_value():
+        if _takes_layout(initial_value):
+            return initial_value(layout=layout)
+        if callable(initial_value) or shape.num_elements() > _WHOLE_VALUE_LOG_ELEMENTS:
+            logging.info("building %s whole before sharding it (its initializer takes no layout)", variable.name)
+        value = initial_value() if callable(initial_value) else initial_value
+        return dtensor.relayout(dtensor.copy_to_mesh(
+            tf.convert_to_tensor(value, dtype=dtype),
+            dtensor.Layout.replicated(layout.mesh, rank=len(shape))), layout)
+
+    fresh = TofuVariable(sharded_initial_value, dtype=dtype, name=_base_name(variable.name),
+                         trainable=variable.trainable, layout=layout)
+    state = dict(fresh.__dict__)
+    variable.__dict__.clear()
+    variable.__dict__.update(state)
+    variable.__class__ = TofuVariable
+    return variable
+
+
+_WHOLE_VALUE_LOG_ELEMENTS = 1 << 16
+
+
+def _takes_layout(initial_value) -> bool:
+    """A Keras initializer bound to its shape (``functools.partial(init, shape, dtype=...)``)."""
+    if not isinstance(initial_value, functools.partial):
+        return False
+    func = initial_value.func
+    call = getattr(func, "__call__", None)
+    try:
+        parameters = inspect.signature(call if not inspect.isfunction(func) else func).parameters
+    except (TypeError, ValueError):
+        return False
+    return "layout" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()) and hasattr(func, "get_config")
+
+
+def _base_name(name: str) -> str:
+    return name[:-2] if name.endswith(":0") else name
