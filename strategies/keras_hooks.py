@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 
 import tensorflow as tf
 
@@ -94,3 +95,96 @@ def split_step_data(args) -> StepInputs:
 def compiled_loss(model):
     """The loss the model was compiled with (what capture traces), or None."""
     return getattr(model, "loss", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transformation:
+    """One change TofuStrategy made to a layer so DTensor can expand it."""
+
+    layer: str
+    change: str
+    reason: str
+
+
+def prepare_for_dtensor(model) -> list[Transformation]:
+    """Rewrite the layers DTensor cannot expand as written, without changing their math.
+
+    * BatchNormalization / LayerNormalization: tf-keras runs them through
+      ``FusedBatchNormV3``, which DTensor has no layout propagation for; the
+      unfused formulation (moments + batch_normalization) computes the same.
+    * LSTM / GRU: Keras runs the recurrence as a ``While`` loop over a
+      TensorList, which DTensor cannot expand; with a static sequence length
+      the loop is unrolled (``unroll=True``), the same cell applied per step.
+    Sparse (Embedding) gradients are densified in the variables instead
+    (``tofu_tf.tf.variables.TofuVariable.scatter_add``).
+    """
+    changes = []
+    for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
+        kind = type(layer).__name__
+        if getattr(layer, "fused", False) is True and "BatchNormalization" in kind:
+            _unfuse_batch_norm(layer)
+            changes.append(Transformation(layer.name, "fused=False", "DTensor cannot expand FusedBatchNormV3"))
+        if getattr(layer, "_fused", False) is True and "LayerNormalization" in kind:
+            layer._fused = False  # pylint: disable=protected-access
+            changes.append(Transformation(layer.name, "fused=False", "DTensor cannot expand FusedBatchNormV3"))
+        if kind in ("AveragePooling2D", "AvgPool2D") and _non_overlapping(layer):
+            layer.call = types.MethodType(_mean_pool_2d, layer)
+            changes.append(Transformation(layer.name, "pooling as reshape+mean",
+                                          "DTensor cannot expand AvgPoolGrad"))
+        if hasattr(layer, "unroll") and hasattr(layer, "cell") and not layer.unroll:
+            _unroll(layer)
+            changes.append(Transformation(layer.name, "unroll=True",
+                                          "DTensor cannot expand the TensorList ops of a While loop"))
+    return changes
+
+
+def _unfuse_batch_norm(layer) -> None:
+    """Switch a BatchNormalization to its unfused ops, keeping the fused kernel's
+    moving-variance update: the fused op averages the *unbiased* batch
+    variance (Bessel's n/(n-1)) into ``moving_variance``, the unfused path the
+    biased one, which would drift by about 1/n per step."""
+    layer.fused = False
+    moments, assign = layer._moments, layer._assign_moving_average  # pylint: disable=protected-access
+    counts = {}
+
+    def counting_moments(inputs, reduction_axes, keep_dims, mask=None):
+        counts["n"] = tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), reduction_axes)), inputs.dtype)
+        return moments(inputs, reduction_axes, keep_dims, mask=mask)
+
+    def bessel_assign(variable, value, momentum, inputs_size):
+        if variable is layer.moving_variance and "n" in counts:
+            n = tf.cast(counts["n"], value.dtype)
+            value = value * n / tf.maximum(n - 1.0, 1.0)
+        return assign(variable, value, momentum, inputs_size)
+
+    layer._moments = counting_moments  # pylint: disable=protected-access
+    layer._assign_moving_average = bessel_assign  # pylint: disable=protected-access
+
+
+def _non_overlapping(layer) -> bool:
+    return (tuple(layer.pool_size) == tuple(layer.strides) and layer.padding == "valid"
+            and layer.data_format == "channels_last")
+
+
+def _mean_pool_2d(layer, inputs):
+    """Non-overlapping VALID average pooling, written with ops DTensor expands."""
+    ph, pw = layer.pool_size
+    _, height, width, channels = inputs.shape
+    rows, cols = height // ph, width // pw
+    x = inputs[:, : rows * ph, : cols * pw, :]
+    x = tf.reshape(x, [-1, rows, ph, cols, pw, channels])
+    return tf.reduce_mean(x, axis=[2, 4])
+
+
+def _unroll(layer) -> None:
+    timesteps = layer.input_spec[0].shape[1] if layer.input_spec and layer.input_spec[0].shape else None
+    if timesteps is None:
+        inputs = getattr(layer, "input", None)
+        timesteps = inputs.shape[1] if inputs is not None else None
+    if timesteps is None:
+        raise ValueError(
+            f"recurrent layer {layer.name!r} has no static sequence length, so TofuStrategy cannot "
+            "unroll it for DTensor. Give the model a fixed input shape, e.g. keras.Input((timesteps, features)).")
+    layer.unroll = True
+    if hasattr(layer, "_could_use_gpu_kernel"):
+        layer._could_use_gpu_kernel = False  # pylint: disable=protected-access

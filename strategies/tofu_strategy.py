@@ -122,6 +122,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._lowered = None
         self._deferred: list[variables_lib.DeferredVariable] = []
         self._passthrough = False
+        self._prepared: set[int] = set()
         # Before a plan exists Keras still asks for a mesh; a 1-D batch mesh over
         # the same devices answers until the planned mesh replaces it.
         self._provisional = lowering.make_mesh({"batch": device_set.count}, device_set)
@@ -155,6 +156,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None) or "sgd"
         logging.info("TofuStrategy: planning %s for batch %d on %d %s devices", model.name, batch_size,
                      self._devices.count, self._devices.device_type)
+        self._prepare(model)
         with self._creating_plain_variables():
             graph = capture_training_step(model, batch_size=batch_size, loss=loss, optimizer=optimizer,
                                           labels=labels)
@@ -162,6 +164,13 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                               memory_budget_bytes=self._options.memory_budget_bytes,
                               mesh_shape=self._options.mesh_shape, hardware=self._options.hardware)
         self._adopt(plan)
+
+    def _prepare(self, model) -> None:
+        if id(model) in self._prepared:
+            return
+        self._prepared.add(id(model))
+        for change in keras_hooks.prepare_for_dtensor(model):
+            logging.info("TofuStrategy: layer %s: %s (%s)", change.layer, change.change, change.reason)
 
     @contextlib.contextmanager
     def _creating_plain_variables(self):
@@ -226,8 +235,11 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             raise PlanningError(
                 "TofuStrategy needs a static batch size: batch the dataset with drop_remainder=True, "
                 "or pass numpy arrays whose length is a multiple of batch_size.")
+        model = keras_hooks.find_model_in_stack()
+        if model is not None:
+            self._prepare(model)
         if self._lowered is None:
-            self._plan_for_dataset(dataset, batch_size)
+            self._plan_for_dataset(model, dataset, batch_size)
         element_spec = dataset.element_spec
         dataset = dataset.unbatch()
         layouts = tf.nest.map_structure(
@@ -241,8 +253,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
     def _distribute_datasets_from_function(self, dataset_fn, options):
         return self._experimental_distribute_dataset(dataset_fn(distribute_lib.InputContext()), options)
 
-    def _plan_for_dataset(self, dataset, batch_size) -> None:
-        model = keras_hooks.find_model_in_stack()
+    def _plan_for_dataset(self, model, dataset, batch_size) -> None:
         if model is None:
             raise PlanningError(
                 "TofuStrategy must plan a model before distributing a dataset, and none is being "
@@ -255,16 +266,18 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         kwargs = kwargs or {}
+        model = keras_hooks.find_model(fn)
+        if model is not None:
+            self._prepare(model)
         if self._lowered is None:
-            self._plan_from_step(fn, args)
+            self._plan_from_step(model, args)
         args = tf.nest.map_structure(self._to_batch_layout, args)
         kwargs = tf.nest.map_structure(self._to_batch_layout, kwargs)
         with self._container_strategy().scope(), _GlobalReplicaContext(self._container_strategy()):
             result = fn(*args, **kwargs)
         return tf.nest.map_structure(_as_distributed_value, result)
 
-    def _plan_from_step(self, fn, args) -> None:
-        model = keras_hooks.find_model(fn)
+    def _plan_from_step(self, model, args) -> None:
         if model is None:
             raise PlanningError(
                 "TofuStrategy.run was called before a plan exists and the step function does not "

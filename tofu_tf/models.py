@@ -31,7 +31,7 @@ def cnn(*, image_size: int = 16, channels: int = 8, num_classes: int = 10, keras
     """Conv2D + BatchNormalization + pooling: the smallest network with every CNN op kind."""
     keras = _keras(keras)
     inputs = keras.Input((image_size, image_size, 3))
-    x = keras.layers.Conv2D(channels, 3, padding="same", name="conv_0")(inputs)
+    x = keras.layers.Conv2D(channels, 3, padding="same", use_bias=False, name="conv_0")(inputs)
     x = keras.layers.BatchNormalization(name="bn_0")(x)
     x = keras.layers.ReLU(name="relu_0")(x)
     x = keras.layers.MaxPooling2D(name="pool_0")(x)

@@ -70,6 +70,18 @@ class TofuVariable(d_variable.DVariable):
     def assign(self, value, use_locking=None, name=None, read_value=True):
         return self._write(value, use_locking, name, read_value)
 
+    # Sparse updates (an Embedding's gradient under Adam) become dense ones:
+    # DTensor has no layout propagation for ResourceScatterAdd, and adding a
+    # densified IndexedSlices (duplicates summed) is the same update.
+    def scatter_add(self, sparse_delta, use_locking=False, name=None):
+        return self.assign_add(self._densify(sparse_delta), use_locking, name)
+
+    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
+        return self.assign_sub(self._densify(sparse_delta), use_locking, name)
+
+    def _densify(self, sparse_delta):
+        return tf.math.unsorted_segment_sum(sparse_delta.values, sparse_delta.indices, self.shape[0])
+
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
         if tf.executing_eagerly():
             return super().assign_add(delta, use_locking, name, read_value)
