@@ -214,7 +214,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
     def _layout_of(self, variable) -> dtensor.Layout:
         path = _plan_path(keras_path(variable), self._plan, variable.shape)
-        return self._lowered.layout_for(path, variable.shape.rank)
+        return self._lowered.layout_for(path, variable.shape)
 
     # -- running steps -----------------------------------------------------------
     @property

@@ -11,8 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# Lets tests read process-wide CPU allocator statistics (tf.config.experimental.get_memory_info).
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+# Not TF_CPU_ALLOCATOR_USE_BFC: with it DTensor fails to fill scalars on CPU
+# ("TF_TensorData returned nullptr"); memory tests run it in a subprocess.
 
 from tofu_tf.tf import devices  # noqa: E402  (TF is imported here, once)
 

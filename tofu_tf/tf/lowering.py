@@ -26,10 +26,19 @@ class Lowered:
     variable_layouts: Mapping[str, tuple]
     batch_axis: str | None
 
-    def layout_for(self, path: str, rank: int) -> dtensor.Layout:
+    def layout_for(self, path: str, shape) -> dtensor.Layout:
+        """The planned layout of a variable; replicated when the plan does not name it."""
+        shape = tuple(shape)
         spec = self.variable_layouts.get(path)
-        if spec is None or len(spec) != rank:
-            return dtensor.Layout.replicated(self.mesh, rank=rank)
+        if spec is None or len(spec) != len(shape):
+            return dtensor.Layout.replicated(self.mesh, rank=len(shape))
+        sizes = dict(zip(self.mesh.dim_names, self.mesh.shape()))
+        for dim, axis in zip(shape, spec):
+            if axis is not None and (axis not in sizes or dim % sizes[axis]):
+                raise ValueError(
+                    f"plan layout {spec} for variable {path!r} of shape {shape} is not legal on mesh "
+                    f"{sizes}: a split dim must divide evenly by an axis of the mesh. Re-plan, or fix "
+                    "the layout you passed.")
         return dtensor.Layout([dtensor.UNSHARDED if a is None else a for a in spec], self.mesh)
 
     def batch_layout(self, rank: int) -> dtensor.Layout:

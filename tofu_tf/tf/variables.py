@@ -147,9 +147,9 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout) -> TofuVaria
     shape = variable.shape
 
     def sharded_initial_value():
-        if _takes_layout(initial_value):
+        if not layout.is_fully_replicated() and _takes_layout(initial_value):
             return initial_value(layout=layout)
-        if callable(initial_value) or shape.num_elements() > _WHOLE_VALUE_LOG_ELEMENTS:
+        if not layout.is_fully_replicated() and shape.num_elements() > _WHOLE_VALUE_LOG_ELEMENTS:
             logging.info("building %s whole before sharding it (its initializer takes no layout)", variable.name)
         value = initial_value() if callable(initial_value) else initial_value
         return dtensor.relayout(dtensor.copy_to_mesh(
@@ -159,6 +159,11 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout) -> TofuVaria
     fresh = TofuVariable(sharded_initial_value, dtype=dtype, name=_base_name(variable.name),
                          trainable=variable.trainable, layout=layout)
     state = dict(fresh.__dict__)
+    # Keep the name the variable was created with: the fresh one was made
+    # inside the layer's name scope again and would be called "dense/dense/kernel".
+    for key in ("_handle_name", "_unique_id", "_shared_name"):
+        if key in variable.__dict__:
+            state[key] = variable.__dict__[key]
     variable.__dict__.clear()
     variable.__dict__.update(state)
     variable.__class__ = TofuVariable

@@ -1,0 +1,65 @@
+"""Shared pieces of the TofuStrategy tests: models, data and a single-device reference run."""
+
+import dataclasses
+
+import numpy as np
+import tf_keras as keras
+
+from tofu_tf import models
+
+BATCH = 8
+STEPS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class HandPlan:
+    """A plan written by hand, for lowering tests that must not depend on the planner."""
+
+    mesh_shape: dict
+    variable_layouts: dict
+    input_layouts: dict
+
+
+MODELS = {
+    "mlp": lambda: models.mlp(width=32, depth=2),
+    "cnn_bn": lambda: models.cnn(channels=8),
+    "lstm": lambda: models.rnn(cell="lstm", hidden=16, seq_len=5),
+    "transformer": lambda: models.gpt(num_layers=1, d_model=16, num_heads=4, seq_len=8, vocab_size=32),
+}
+
+
+def build(name: str):
+    keras.utils.set_random_seed(7)
+    return MODELS[name]()
+
+
+def data_for(model, *, steps: int = STEPS, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    n = BATCH * steps
+    shape = tuple(model.input_shape[1:])
+    if model.inputs[0].dtype.name.startswith("int"):
+        vocab = model.output_shape[-1]
+        x = rng.integers(0, vocab, (n,) + shape).astype("int32")
+        y = rng.integers(0, vocab, (n,) + shape).astype("int32")
+    else:
+        x = rng.normal(size=(n,) + shape).astype("float32")
+        y = rng.integers(0, model.output_shape[-1], (n,)).astype("int32")
+    return x, y
+
+
+def compile_model(model, optimizer=None):
+    """SGD with momentum by default: its slot is written then read in one step
+    (the path DTensor reorders), and, unlike Adam, it does not magnify
+    last-bit differences of tiny gradients into update-sized ones."""
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def reference_run(name: str, optimizer=None):
+    """Initial weights and the weights after STEPS steps on one device."""
+    model = build(name)
+    initial = model.get_weights()
+    compile_model(model, optimizer)
+    x, y = data_for(model)
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return initial, model.get_weights(), history.history["loss"], (x, y)
