@@ -50,6 +50,9 @@ from tofu_tf.tf import lowering
 from tofu_tf.tf import variables as variables_lib
 
 
+_EARLY_MAX_ELEMENTS = 64
+
+
 class PlanningError(RuntimeError):
     """The strategy could not make a plan for the model it was asked to train."""
 
@@ -76,7 +79,7 @@ class TofuStrategy(distribute_lib.Strategy):
                  mesh_shape=None, hardware=None, method: str = "tofu", plan=None):
         device_set = devices_lib.provide_devices(num_gpus)
         options = _PlanOptions(memory_budget_bytes=memory_budget_bytes, mesh_shape=mesh_shape,
-                               hardware=hardware or ("cpu" if device_set.device_type == "CPU" else "h100_nvlink"),
+                               hardware=hardware or ("cpu-virtual" if device_set.device_type == "CPU" else "h100-nvlink"),
                                method=method)
         super().__init__(_TofuExtended(self, device_set, options, plan))
 
@@ -121,6 +124,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._plan = None
         self._lowered = None
         self._deferred: list[variables_lib.DeferredVariable] = []
+        self._early: list[variables_lib.TofuVariable] = []
         self._passthrough = False
         self._prepared: set[int] = set()
         # Before a plan exists Keras still asks for a mesh; a 1-D batch mesh over
@@ -194,7 +198,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         if self._lowered is None:
             variable = variables_lib.DeferredVariable(
                 initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
-                trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
+                trainable=kwargs.get("trainable", True), extra_kwargs=kwargs,
+                on_eager_use=self._materialize_early)
             self._deferred.append(variable)
             return variable
         with tf.init_scope():
@@ -210,7 +215,22 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         with tf.init_scope():
             for variable in self._deferred:
                 variables_lib.materialize(variable, self._layout_of(variable))
+            for variable in self._early:
+                variables_lib.rehome(variable, self._layout_of(variable))
         self._deferred.clear()
+        self._early.clear()
+
+    def _materialize_early(self, variable) -> bool:
+        """Keras reads small bookkeeping variables (``steps_per_execution``,
+        counters) before the first step. Those get a replicated home on the
+        provisional mesh now and move to the planned mesh with the plan."""
+        if self._lowered is not None or variable.shape.num_elements() > _EARLY_MAX_ELEMENTS:
+            return False
+        with tf.init_scope():
+            variables_lib.materialize(variable, dtensor.Layout.replicated(self._provisional, variable.shape.rank))
+        self._deferred = [v for v in self._deferred if v is not variable]
+        self._early.append(variable)
+        return True
 
     def _layout_of(self, variable) -> dtensor.Layout:
         path = _plan_path(keras_path(variable), self._plan, variable.shape)

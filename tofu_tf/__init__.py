@@ -10,6 +10,7 @@ from tofu_tf.ir import Graph, Op, Role, Tensor, Variable, VariableKind
 __version__ = "0.1.0"
 
 _LAZY = {
+    "TofuStrategy": ("strategies.tofu_strategy", "TofuStrategy"),
     "capture_training_step": ("tofu_tf.tf.capture", "capture_training_step"),
     "DynamicShapeError": ("tofu_tf.tf.capture", "DynamicShapeError"),
 }

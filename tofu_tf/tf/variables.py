@@ -117,13 +117,36 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
     eagerly before the plan exists is an error that says what to do.
     """
 
-    def __init__(self, *, initial_value, shape, dtype, name, trainable, extra_kwargs):
+    def __init__(self, *, initial_value, shape, dtype, name, trainable, extra_kwargs, on_eager_use=None):
         super().__init__(shape=shape, dtype=dtype, name=name, trainable=trainable)
         self._tofu_initial_value = initial_value
         self._tofu_kwargs = dict(extra_kwargs)
+        self._tofu_on_eager_use = on_eager_use
+
+    def _used_eagerly(self) -> "TofuVariable":
+        """Keras reads some bookkeeping variables (step counters) before any
+        step runs; the strategy may materialize those on first use."""
+        if self._tofu_on_eager_use is None or not self._tofu_on_eager_use(self):
+            raise DeferredVariableError(self.name)
+        return self
 
     def numpy(self):
-        raise DeferredVariableError(self.name)
+        return self._used_eagerly().numpy()
+
+    def _read_variable_op(self, no_copy=False):
+        if tf.executing_eagerly():
+            return self._used_eagerly()._read_variable_op(no_copy=no_copy)
+        return super()._read_variable_op(no_copy=no_copy)
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        if tf.executing_eagerly():
+            return self._used_eagerly().assign(value, use_locking, name, read_value)
+        return super().assign(value, use_locking, name, read_value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        if tf.executing_eagerly():
+            return self._used_eagerly().assign_add(delta, use_locking, name, read_value)
+        return super().assign_add(delta, use_locking, name, read_value)
 
 
 class DeferredVariableError(RuntimeError):
@@ -158,6 +181,24 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout) -> TofuVaria
 
     fresh = TofuVariable(sharded_initial_value, dtype=dtype, name=_base_name(variable.name),
                          trainable=variable.trainable, layout=layout)
+    return _become(variable, fresh)
+
+
+def rehome(variable: TofuVariable, layout: dtensor.Layout) -> TofuVariable:
+    """Move a (small) variable to another mesh or layout, keeping its value and identity."""
+    value = gather_to_host(variable.read_value(), variable.layout)
+
+    def on_new_layout():
+        whole = dtensor.copy_to_mesh(tf.constant(value), dtensor.Layout.replicated(layout.mesh, rank=value.ndim))
+        return dtensor.relayout(whole, layout)
+
+    fresh = TofuVariable(on_new_layout, dtype=variable.dtype, name=_base_name(variable.name),
+                         trainable=variable.trainable, layout=layout)
+    return _become(variable, fresh)
+
+
+def _become(variable, fresh: TofuVariable) -> TofuVariable:
+    """Turn ``variable`` into ``fresh`` in place, so every holder sees the new buffer."""
     state = dict(fresh.__dict__)
     # Keep the name the variable was created with: the fresh one was made
     # inside the layer's name scope again and would be called "dense/dense/kernel".
