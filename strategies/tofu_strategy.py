@@ -260,15 +260,16 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             self._prepare(model)
         if self._lowered is None:
             self._plan_for_dataset(model, dataset, batch_size)
-        element_spec = dataset.element_spec
+        batches = int(dataset.cardinality().numpy())
         dataset = dataset.unbatch()
         layouts = tf.nest.map_structure(
             lambda spec: self._lowered.batch_layout(len(spec.shape) + 1), dataset.element_spec)
-        del element_spec
-        return input_util.DTensorDataset(
+        distributed = _SizedDTensorDataset(
             dataset=dataset, mesh=self.mesh, layouts=layouts, global_batch_size=batch_size,
             dataset_already_batched=False, batch_dim=self._lowered.batch_axis, prefetch=None,
             tf_data_service_config=None)
+        distributed._tofu_batches = batches  # pylint: disable=protected-access
+        return distributed
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         return self._experimental_distribute_dataset(dataset_fn(distribute_lib.InputContext()), options)
@@ -332,6 +333,20 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         return value
+
+
+class _SizedDTensorDataset(input_util.DTensorDataset):
+    """A DTensorDataset that keeps the batch count of the dataset it came from.
+
+    DTensorDataset unbatches and rebatches, so its cardinality is unknown and
+    Keras would run each epoch until the iterator fails; with DTensor that
+    failure surfaces asynchronously, outside Keras' end-of-data handling.
+    """
+
+    _tofu_batches = -2  # tf.data.UNKNOWN_CARDINALITY
+
+    def cardinality(self):
+        return tf.constant(self._tofu_batches, tf.int64)
 
 
 class _GlobalReplicaContext(dtensor_util.DTensorReplicaContext):

@@ -21,6 +21,7 @@ class Reduction(enum.Enum):
     SUM = "sum"
     MAX = "max"
     MIN = "min"
+    MEAN = "mean"  # the full value is the mean of equal-sized parts' values (all-reduce, then / n)
 
 
 @dataclasses.dataclass(frozen=True)

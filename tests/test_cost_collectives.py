@@ -1,0 +1,43 @@
+"""Collective pricing and hardware links."""
+
+import pytest
+
+from tofu_tf.cost.collectives import Collective, collective_for, transfer
+from tofu_tf.cost.hardware import CPU_VIRTUAL, H100_NVLINK, PROFILES, Link, profile
+from tofu_tf.mesh import MeshSpec
+from tofu_tf.semantics.strategy import REPLICATED, Reduction, TensorSplit
+
+S0, S1, P = TensorSplit(0), TensorSplit(1), TensorSplit(partial=Reduction.SUM)
+LINK = Link(bandwidth=1e9, latency=1e-6)
+
+
+@pytest.mark.parametrize("src,dst,kind", [
+    (P, REPLICATED, Collective.ALL_REDUCE), (P, S0, Collective.REDUCE_SCATTER),
+    (S0, REPLICATED, Collective.ALL_GATHER), (S0, S1, Collective.ALL_TO_ALL),
+    (REPLICATED, S0, None), (S0, S0, None), (REPLICATED, P, None), (S0, P, None), (P, P, None)])
+def test_collective_for_each_conversion(src, dst, kind):
+    assert collective_for(src, dst) == kind
+
+
+def test_ring_bytes_and_seconds():
+    n, nbytes = 4, 1000.0
+    ar = transfer(P, REPLICATED, nbytes, n, LINK)
+    assert ar.bytes == pytest.approx(2 * 3 / 4 * 1000) and ar.seconds == pytest.approx(6e-6 + 1500 / 1e9)
+    assert transfer(P, S0, nbytes, n, LINK).bytes == pytest.approx(750)
+    assert transfer(S0, REPLICATED, nbytes, n, LINK).bytes == pytest.approx(750)
+    assert transfer(S0, S1, nbytes, n, LINK).bytes == pytest.approx(750 / 4)
+    assert transfer(S0, REPLICATED, nbytes, 1, LINK) is None
+
+
+def test_axis_link_follows_node_boundaries():
+    mesh = MeshSpec((("a", 8), ("b", 8)))          # 64 devices, 8 per node
+    assert H100_NVLINK.axis_link(mesh, 1) == H100_NVLINK.intra_node
+    assert H100_NVLINK.axis_link(mesh, 0) == H100_NVLINK.inter_node
+    assert CPU_VIRTUAL.axis_link(mesh, 0) == CPU_VIRTUAL.intra_node
+
+
+def test_profiles_by_name():
+    assert {"h100-nvlink", "h200-nvlink", "pcie-gpu", "cpu-virtual"} <= set(PROFILES)
+    assert profile("h200-nvlink").memory_bytes > profile("h100-nvlink").memory_bytes
+    with pytest.raises(ValueError, match="unknown hardware profile 'tpu'"):
+        profile("tpu")

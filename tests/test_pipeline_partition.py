@@ -1,0 +1,315 @@
+"""Tests for tofu_tf.pipeline.partition: exactness against brute force and a
+reference DP, the baselines, and the errors a user can hit (no TensorFlow)."""
+
+import importlib
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tofu_tf.pipeline import (LayerStats, Method, Schedule, StagePlan, balanced_boundaries,
+                              partition, stage_peak_bytes, uniform_boundaries)
+
+partition_module = importlib.import_module("tofu_tf.pipeline.partition")
+
+
+# --------------------------------------------------------------------------- chains
+
+
+def _layer(i, state, act, trans, iso=None, added=None, params=0, seconds=0.0):
+    return LayerStats(name=f"l{i}", state_bytes=state, activation_bytes=act, transient_bytes=trans,
+                      isolated_bytes=iso, added_bytes=added, param_count=params,
+                      compute_seconds=seconds)
+
+
+def _random_chain(rng, n, kind, scale=10):
+    """analytic | monotone (measured, isolated_{l-1} + added_l >= isolated_l) |
+    offsets (measured, arbitrary) | mixed. Small value ranges make ties common."""
+    layers, iso = [], int(rng.integers(0, 8 * scale))
+    for i in range(n):
+        state, act, trans = (int(rng.integers(0, 5)) * scale, int(rng.integers(0, 4)),
+                             int(rng.integers(0, 3)) * scale)
+        measured = kind in ("monotone", "offsets") or (kind == "mixed" and rng.random() < 0.6)
+        if not measured:
+            layers.append(_layer(i, state, act, trans))
+            continue
+        added = int(rng.integers(0, 5)) * scale
+        if kind == "monotone":
+            iso = int(rng.integers(0, iso + added + 1)) if i else iso
+        else:
+            iso = int(rng.integers(0, 10)) * scale
+        layers.append(_layer(i, state, act, trans, iso=iso, added=added))
+    return layers
+
+
+def _peak_table(layers, p, schedule, m):
+    n = len(layers)
+    return {(r, i, j): stage_peak_bytes(layers, i, j, r, p, schedule, m)
+            for r in range(p) for i in range(n) for j in range(i + 1, n + 1)}
+
+
+def _peaks(table, boundaries, n):
+    stops = list(boundaries[1:]) + [n]
+    return [table[r, i, j] for r, (i, j) in enumerate(zip(boundaries, stops))]
+
+
+def _lex_key(peaks):
+    return tuple(sorted(peaks, reverse=True))
+
+
+def _brute_force(table, n, p):
+    """Lexicographically smallest sorted peak vector, and every boundary set reaching it."""
+    best, winners = None, []
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        boundaries = (0, *cuts)
+        key = _lex_key(_peaks(table, boundaries, n))
+        if best is None or key < best:
+            best, winners = key, [boundaries]
+        elif key == best:
+            winners.append(boundaries)
+    return best, winners
+
+
+def _reference_dp(table, n, p):
+    """Plain O(p n^2) chain DP whose values are whole sorted peak vectors."""
+    layer = {0: ()}
+    for r in range(p):
+        nxt = {}
+        for j in range(r + 1, n - (p - r - 1) + 1):
+            candidates = [_lex_key(vector + (table[r, i, j],))
+                          for i, vector in layer.items() if i < j]
+            nxt[j] = min(candidates)
+        layer = nxt
+    return layer[n]
+
+
+def _check_plan(plan, layers, p, schedule, m):
+    n = len(layers)
+    assert plan.boundaries[0] == 0 and len(plan.boundaries) == p
+    assert all(a < b for a, b in zip(plan.boundaries, plan.boundaries[1:]))
+    assert plan.boundaries[-1] < n
+    want = tuple(stage_peak_bytes(layers, i, j, r, p, schedule, m)
+                 for r, (i, j) in enumerate(plan.stage_ranges))
+    assert plan.stage_peak_bytes == want
+
+
+# --------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("kind", ["analytic", "monotone", "offsets", "mixed"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_optimal_matches_brute_force_on_small_chains(kind, schedule):
+    rng = np.random.default_rng(hash((kind, schedule)) % 2**32)
+    for trial in range(40):
+        n = int(rng.integers(1, 10))
+        p = int(rng.integers(1, min(n, 4) + 1))
+        m = int(rng.integers(1, 6))
+        layers = _random_chain(rng, n, kind)
+        plan = partition(layers, p, schedule=schedule, num_microbatches=m)
+        _check_plan(plan, layers, p, schedule, m)
+        best, winners = _brute_force(_peak_table(layers, p, schedule, m), n, p)
+        assert _lex_key(plan.stage_peak_bytes) == best
+        assert plan.boundaries in winners
+
+
+def test_lexicographic_tie_breaking_beyond_the_max():
+    # Min-max alone accepts (0,1,3,5): peaks 90, 20, 20, 10 and also
+    # (0,1,2,4): 90, 10, 20, 20. Both tie at every level; but (0,1,4,5)
+    # gives 90, 30, 10, 10, worse at the second level.
+    layers = [_layer(0, 90, 0, 0)] + [_layer(i, 10, 0, 0) for i in range(1, 6)]
+    plan = partition(layers, 4, schedule="gpipe", num_microbatches=1)
+    assert plan.max_peak_bytes == 90
+    assert _lex_key(plan.stage_peak_bytes) == (90, 20, 20, 10)
+
+
+def test_tie_breaking_prefers_balanced_rest_over_min_max_only():
+    # The first layer fixes the max at 100; min-max is indifferent to how the
+    # rest is cut, CAPSlog's rule is not: the rest must be as even as possible.
+    layers = [_layer(0, 100, 0, 0)] + [_layer(i, 7, 0, 0) for i in range(1, 10)]
+    plan = partition(layers, 4, schedule="gpipe", num_microbatches=1)
+    assert _lex_key(plan.stage_peak_bytes) == (100, 21, 21, 21)
+    assert plan.boundaries == (0, 1, 4, 7)
+
+
+def test_optimal_matches_reference_dp_on_many_random_chains():
+    rng = np.random.default_rng(2024)
+    kinds = ["analytic", "monotone", "offsets", "mixed"]
+    for trial in range(1200):
+        kind = kinds[trial % 4]
+        n = int(rng.integers(2, 12))
+        p = int(rng.integers(1, min(n, 5) + 1))
+        m = int(rng.integers(1, 9))
+        schedule = "1f1b" if trial % 3 else "gpipe"
+        layers = _random_chain(rng, n, kind, scale=int(rng.choice([1, 10, 1000])))
+        plan = partition(layers, p, schedule=schedule, num_microbatches=m)
+        table = _peak_table(layers, p, schedule, m)
+        assert _lex_key(plan.stage_peak_bytes) == _reference_dp(table, n, p), (trial, kind)
+
+
+@pytest.mark.parametrize("kind", ["analytic", "offsets"])
+def test_optimal_matches_reference_dp_on_longer_chains(kind):
+    rng = np.random.default_rng(5)
+    for trial in range(4):
+        n, p, m = 40, 7, int(rng.integers(1, 12))
+        layers = _random_chain(rng, n, kind, scale=1000)
+        plan = partition(layers, p, schedule="1f1b", num_microbatches=m)
+        assert _lex_key(plan.stage_peak_bytes) == _reference_dp(_peak_table(layers, p, "1f1b", m), n, p)
+
+
+@pytest.mark.parametrize("split_work, small_block", [(0, 64), (64, 0), (0, 0)])
+def test_internal_paths_stay_exact(monkeypatch, split_work, small_block):
+    """Force piece splitting and the vectorised candidate scan on small chains."""
+    monkeypatch.setattr(partition_module, "_SPLIT_WORK_PER_STAGE", split_work)
+    monkeypatch.setattr(partition_module, "_SMALL_BLOCK", small_block)
+    rng = np.random.default_rng(99)
+    for trial in range(150):
+        kind = ["analytic", "monotone", "offsets", "mixed"][trial % 4]
+        n = int(rng.integers(2, 11))
+        p = int(rng.integers(1, min(n, 5) + 1))
+        m = int(rng.integers(1, 9))
+        layers = _random_chain(rng, n, kind)
+        plan = partition(layers, p, schedule="1f1b", num_microbatches=m)
+        table = _peak_table(layers, p, "1f1b", m)
+        assert _lex_key(plan.stage_peak_bytes) == _reference_dp(table, n, p)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_optimal_is_lexicographic_minimum_property(data):
+    n = data.draw(st.integers(1, 8), label="layers")
+    p = data.draw(st.integers(1, min(n, 4)), label="stages")
+    m = data.draw(st.integers(1, 6), label="microbatches")
+    schedule = data.draw(st.sampled_from(["1f1b", "gpipe"]))
+    values = st.integers(0, 6)
+    layers = []
+    for i in range(n):
+        measured = data.draw(st.booleans())
+        extra = {}
+        if measured:
+            extra = dict(iso=data.draw(values) * 10, added=data.draw(values) * 10)
+        layers.append(_layer(i, data.draw(values) * 10, data.draw(values), data.draw(values), **extra))
+    plan = partition(layers, p, schedule=schedule, num_microbatches=m)
+    best, winners = _brute_force(_peak_table(layers, p, schedule, m), n, p)
+    assert _lex_key(plan.stage_peak_bytes) == best and plan.boundaries in winners
+
+
+def test_skewed_1f1b_chain_large_enough_to_split():
+    """m = p under 1F1B: the first stage keeps p micro-batches, so early stages
+    are forced short; the search splits at pinned boundaries."""
+    rng = np.random.default_rng(8)
+    n, p = 60, 12
+    layers = _random_chain(rng, n, "analytic", scale=1000)
+    plan = partition(layers, p, schedule="1f1b", num_microbatches=p)
+    assert _lex_key(plan.stage_peak_bytes) == _reference_dp(_peak_table(layers, p, "1f1b", p), n, p)
+
+
+def test_one_stage_and_one_layer_per_stage():
+    layers = [_layer(i, 10 * i, 1, 0) for i in range(5)]
+    assert partition(layers, 1, num_microbatches=4).boundaries == (0,)
+    assert partition(layers, 5, num_microbatches=4).boundaries == (0, 1, 2, 3, 4)
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def test_uniform_gives_first_stages_the_remainder():
+    assert uniform_boundaries(10, 4) == (0, 3, 6, 8)
+    assert uniform_boundaries(8, 4) == (0, 2, 4, 6)
+    layers = [_layer(i, 1, 0, 0) for i in range(10)]
+    plan = partition(layers, 4, num_microbatches=2, method="uniform")
+    assert plan.boundaries == (0, 3, 6, 8) and plan.method is Method.UNIFORM
+
+
+def test_parameters_balances_param_count_filling_early_stages_first():
+    params = [1, 1, 1, 1, 10, 1, 1, 1]
+    layers = [_layer(i, 0, 0, 0, params=w) for i, w in enumerate(params)]
+    plan = partition(layers, 3, num_microbatches=1, method="parameters")
+    # heaviest stage must hold the 10; the best bottleneck is 10, filled left first
+    assert plan.boundaries == (0, 4, 5)
+    assert balanced_boundaries([3, 3, 3, 3], 2) == (0, 2)
+    assert balanced_boundaries([5, 1, 1, 1, 1, 1], 3) == (0, 1, 5)
+
+
+def test_time_balances_compute_seconds():
+    seconds = [0.5, 0.1, 0.1, 0.1, 0.1, 0.5]
+    layers = [_layer(i, 0, 0, 0, seconds=s) for i, s in enumerate(seconds)]
+    plan = partition(layers, 2, num_microbatches=1, method="time")
+    assert plan.boundaries == (0, 3)
+
+
+def test_balanced_split_is_min_max_and_valid_on_random_weights():
+    rng = np.random.default_rng(4)
+    for trial in range(200):
+        n = int(rng.integers(1, 10))
+        p = int(rng.integers(1, n + 1))
+        weights = [int(w) for w in rng.integers(0, 20, n)]
+        cuts = balanced_boundaries(weights, p)
+        assert cuts[0] == 0 and len(cuts) == p and all(a < b for a, b in zip(cuts, cuts[1:]))
+        ends = list(cuts[1:]) + [n]
+        got = max(sum(weights[a:b]) for a, b in zip(cuts, ends))
+        best = min(max(sum(weights[a:b]) for a, b in zip((0, *c), (*c, n)))
+                   for c in itertools.combinations(range(1, n), p - 1))
+        assert got == best or not any(weights)
+
+
+def test_all_zero_weights_split_uniformly():
+    layers = [_layer(i, 1, 0, 0) for i in range(7)]
+    assert partition(layers, 3, num_microbatches=1, method="parameters").boundaries == (0, 3, 5)
+    assert partition(layers, 3, num_microbatches=1, method="time").boundaries == (0, 3, 5)
+
+
+def test_optimal_never_worse_than_baselines():
+    rng = np.random.default_rng(12)
+    for trial in range(30):
+        n, p = 30, 5
+        layers = [_layer(i, int(s), int(a), int(t), params=int(s), seconds=float(a))
+                  for i, (s, a, t) in enumerate(zip(rng.integers(0, 1000, n), rng.integers(0, 100, n),
+                                                    rng.integers(0, 50, n)))]
+        best = partition(layers, p, num_microbatches=8).max_peak_bytes
+        for method in ("uniform", "parameters", "time"):
+            assert best <= partition(layers, p, num_microbatches=8, method=method).max_peak_bytes
+
+
+# --------------------------------------------------------------------------- plan and errors
+
+
+def test_plan_fields_and_summary():
+    layers = [_layer(i, 100, 10, 0) for i in range(9)]
+    plan = partition(layers, 4, schedule=Schedule.ONE_F_ONE_B, num_microbatches=8)
+    assert isinstance(plan, StagePlan)
+    assert plan.boundaries == (0, 2, 4, 6)
+    assert plan.stage_peak_bytes == (280, 260, 240, 330)
+    assert plan.max_peak_bytes == 330 and plan.num_stages == 4
+    assert plan.schedule is Schedule.ONE_F_ONE_B and plan.method is Method.OPTIMAL
+    assert plan.num_microbatches == 8 and plan.search_seconds >= 0
+    assert plan.stage_ranges == ((0, 2), (2, 4), (4, 6), (6, 9))
+    text = plan.summary()
+    assert "method=optimal, schedule=1f1b, 8 micro-batches" in text
+    assert "    3       3          1        330 B  l6 .. l8" in text
+    assert "max stage peak 330 B (stage 3)" in text
+
+
+def test_errors_name_the_value_and_the_allowed_ones():
+    layers = [_layer(i, 1, 1, 0) for i in range(3)]
+    with pytest.raises(ValueError, match="num_stages=4 exceeds the 3 layers"):
+        partition(layers, 4, num_microbatches=1)
+    with pytest.raises(ValueError, match="num_stages must be an integer >= 1, got 0"):
+        partition(layers, 0, num_microbatches=1)
+    with pytest.raises(ValueError, match="num_microbatches must be an integer >= 1, got 0"):
+        partition(layers, 2, num_microbatches=0)
+    with pytest.raises(ValueError, match=r"unknown method 'greedy'; expected one of 'optimal', "
+                                         r"'uniform', 'parameters', 'time'"):
+        partition(layers, 2, num_microbatches=1, method="greedy")
+    with pytest.raises(ValueError, match=r"unknown schedule 'interleaved'; expected one of "
+                                         r"'1f1b', 'gpipe'"):
+        partition(layers, 2, num_microbatches=1, schedule="interleaved")
+    with pytest.raises(ValueError, match="stats is empty"):
+        partition([], 1, num_microbatches=1)
+
+
+def test_method_and_schedule_strings_are_normalized_once():
+    layers = [_layer(i, 1, 1, 0) for i in range(4)]
+    plan = partition(layers, 2, num_microbatches=2, method="Uniform", schedule="GPIPE")
+    assert plan.method is Method.UNIFORM and plan.schedule is Schedule.GPIPE

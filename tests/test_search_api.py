@@ -1,0 +1,152 @@
+"""plan_graph / plan_model end to end: legal plans, costs that recompute, budgets."""
+
+import pytest
+from tests.test_search_support import mlp_graph, stub_strategies
+
+from tofu_tf import ir
+from tofu_tf.cost.hardware import H100_NVLINK
+from tofu_tf.cost.memory import alias_map
+from tofu_tf.plan import Method, Plan
+from tofu_tf.search import InfeasibleBudgetError, plan_graph
+from tofu_tf.search.legality import check_plan
+from tofu_tf.semantics.strategy import REPLICATED, Reduction, TensorSplit
+
+METHODS = ["tofu", "ilp", "data_parallel", "megatron"]
+
+
+def _plan(graph, method, n=4, **kwargs):
+    return plan_graph(graph, num_devices=n, method=method, strategy_provider=stub_strategies, **kwargs)
+
+
+def _split(layout, axis):
+    return TensorSplit(layout.index(axis)) if axis in layout else REPLICATED
+
+
+def _recompute_comm(graph: ir.Graph, plan: Plan) -> float:
+    """Seconds of communication from the plan's layouts and strategy names alone (ring formulas
+    written out here, independent of tofu_tf.cost)."""
+    aliases, ops = alias_map(graph), {op.name: op for op in graph.ops}
+    names, sizes = list(plan.mesh_shape), list(plan.mesh_shape.values())
+    mesh = plan.mesh_axes
+    from tofu_tf.mesh import MeshSpec
+    spec = MeshSpec(tuple(mesh))
+    total = 0.0
+    for op_name, strategy_names in plan.op_strategies.items():
+        op = ops[op_name]
+        for j, name in enumerate(op.inputs):
+            source = aliases.get(name, name)
+            tensor = graph.tensors.get(source)
+            if tensor is None or tensor.role is ir.Role.RESOURCE or source not in plan.tensor_layouts:
+                continue
+            src_layout, partial = plan.tensor_layouts[source], plan.partial_tensors.get(source, ())
+            dst = [_required(graph, plan, op, j, k, strategy_names[k], sizes[k]) for k in range(len(names))]
+            for k, axis in enumerate(names):
+                src = TensorSplit(partial=Reduction.SUM) if axis in partial else _split(src_layout, axis)
+                div = 1
+                for i in range(len(names)):
+                    if (i < k and dst[i].dim is not None) or (i > k and _split(src_layout, names[i]).dim is not None):
+                        div *= sizes[i]
+                total += _ring_seconds(src, dst[k], tensor.num_bytes / div, sizes[k], H100_NVLINK.axis_link(spec, k))
+    return total
+
+
+def _required(graph, plan, op, j, k, name, n):
+    axis = plan.mesh_axes[k][0]
+    if name == "assign":
+        return _split(plan.variable_layouts[graph.tensors[op.inputs[0]].variable_path], axis) if j else REPLICATED
+    strategy = next(s for s in stub_strategies(op, graph, n) if s.name == name)
+    return strategy.inputs[j]
+
+
+def _ring_seconds(src, dst, nbytes, n, link):
+    if src.partial is not None:
+        factor, steps = ((n - 1) / n, n - 1) if dst.dim is not None else (2 * (n - 1) / n, 2 * (n - 1))
+        if dst.partial is not None:
+            return 0.0
+    elif src.dim is None or dst.partial is not None or src.dim == dst.dim:
+        return 0.0
+    elif dst.dim is None:
+        factor, steps = (n - 1) / n, n - 1
+    else:
+        factor, steps = (n - 1) / (n * n), n - 1
+    return steps * link.latency + factor * nbytes / link.bandwidth
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_plans_are_legal_and_their_cost_recomputes(method):
+    graph = mlp_graph()
+    for budget in (None, 16_000):
+        if method in ("data_parallel", "megatron") and budget:
+            continue
+        plan = _plan(graph, method, memory_budget_bytes=budget)
+        check_plan(graph, plan, num_devices=4)
+        assert plan.comm_seconds == pytest.approx(_recompute_comm(graph, plan), rel=1e-9, abs=1e-15)
+        assert plan.method is Method(method)
+        assert Plan.from_json(plan.to_json()) == plan
+        if budget:
+            assert plan.peak_memory_bytes <= budget
+
+
+def test_single_axis_search_cost_equals_the_plan_cost():
+    """On one axis the DP's objective is the plan's modeled communication, exactly."""
+    from tofu_tf.cost.evaluate import step_cost
+    from tofu_tf.mesh import MeshSpec
+    from tofu_tf.search import tofu_dp
+    from tofu_tf.search.coarsen import GraphIndex, ProblemBuilder
+    graph = mlp_graph()
+    problem = ProblemBuilder(GraphIndex(graph, stub_strategies), (), 4, H100_NVLINK.intra_node).build()
+    for lam in (0.0, 1e-10, 1e-8):
+        solution = tofu_dp.solve_axis(problem, lam)
+        strategies, splits = {}, {}
+        for node, option in zip(problem.nodes, solution.choice):
+            strategies.update({k: (v,) for k, v in node.options[option].strategies.items()})
+            splits.update({k: (v,) for k, v in node.options[option].var_splits.items()})
+        cost = step_cost(graph, MeshSpec((("x", 4),)), H100_NVLINK, strategies, splits)
+        assert solution.exact
+        assert cost.comm_seconds == pytest.approx(problem.comm(solution.choice), rel=1e-12, abs=1e-18)
+
+
+def test_baseline_layouts():
+    graph = mlp_graph()
+    dp = _plan(graph, "data_parallel")
+    assert dp.mesh_shape == {"batch": 4} and dp.input_layouts == {"x:0": ("batch", None)}
+    assert all(set(layout) == {None} for layout in dp.variable_layouts.values())
+    assert set(dp.comm_by_collective) == {"all-reduce"}
+    mt = _plan(graph, "megatron")
+    assert mt.variable_layouts["dense_0/kernel"] == (None, "model")
+    assert mt.variable_layouts["dense_1/kernel"] == ("model", None)
+    assert mt.variable_layouts["opt/m/dense_1/kernel"] == ("model", None)
+
+
+def test_tofu_is_no_worse_than_baselines_at_their_memory():
+    graph = mlp_graph(batch=16, widths=(32, 64, 64, 32))
+    for method in ("data_parallel", "megatron"):
+        base = _plan(graph, method)
+        tofu = _plan(graph, "tofu", memory_budget_bytes=base.peak_memory_bytes)
+        assert tofu.peak_memory_bytes <= base.peak_memory_bytes
+        assert tofu.comm_seconds <= base.comm_seconds * (1 + 1e-9)
+
+
+def test_infeasible_budget_names_budget_best_peak_and_contributors():
+    with pytest.raises(InfeasibleBudgetError,
+                       match=r"memory budget of 1000 B per device: the best achievable peak is .*KiB.*"
+                             r"Largest contributors: .*dense_1/kernel"):
+        _plan(mlp_graph(), "tofu", memory_budget_bytes=1000)
+
+
+def test_memory_objective_minimizes_peak():
+    graph = mlp_graph()
+    lean = _plan(graph, "tofu", objective="memory")
+    assert lean.peak_memory_bytes <= _plan(graph, "data_parallel").peak_memory_bytes
+    assert lean.peak_memory_bytes <= _plan(graph, "tofu").peak_memory_bytes
+
+
+def test_plan_model_captures_and_plans():
+    from tofu_tf import models
+    from tofu_tf.search import plan_model
+    model = models.mlp(input_dim=16, width=32, depth=2)
+    plan = plan_model(model, num_devices=4, batch_size=8, method="data_parallel",
+                      strategy_provider=stub_strategies)
+    assert plan.input_layouts["x:0"] == ("batch", None)
+    assert "dense_0/kernel" in plan.variable_layouts and "Adam/m/dense_0/kernel" in plan.variable_layouts
+    assert plan.comm_by_collective["all-reduce"].bytes > 0

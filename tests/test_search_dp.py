@@ -1,0 +1,77 @@
+"""Tofu's DP is exact: it equals brute force (and the ILP) on small problems."""
+
+import itertools
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+from tests.test_search_support import GraphBuilder, mlp_graph, stub_strategies
+
+from tofu_tf.cost.hardware import H100_NVLINK
+from tofu_tf.search import ilp, tofu_dp
+from tofu_tf.search.coarsen import AxisProblem, Edge, GraphIndex, Node, Option, ProblemBuilder
+
+
+def _brute_force(problem: AxisProblem, lam: float) -> float:
+    ranges = [range(len(n.options)) for n in problem.nodes]
+    return min(problem.objective(choice, lam) for choice in itertools.product(*ranges))
+
+
+@st.composite
+def random_problems(draw):
+    """Arbitrary pairwise problems (not only chains): up to 7 nodes, 1-3 options each."""
+    num = draw(st.integers(1, 7))
+    sizes = [draw(st.integers(1, 3)) for _ in range(num)]
+    nodes = tuple(Node(f"n{i}", tuple(Option(str(a), {}, {}, 0.0, 0.0) for a in range(s)))
+                  for i, s in enumerate(sizes))
+    pairs = [(u, v) for u in range(num) for v in range(u + 1, num)]
+    chosen = draw(st.lists(st.sampled_from(pairs), unique=True, max_size=len(pairs))) if pairs else []
+    cost = st.floats(0, 10, allow_nan=False)
+    edges = tuple(Edge(u, v, np.asarray([[draw(cost) for _ in range(sizes[v])] for _ in range(sizes[u])]))
+                  for u, v in sorted(chosen))
+    unary = tuple(np.asarray([draw(cost) for _ in range(s)]) for s in sizes)
+    memory = tuple(np.asarray([draw(cost) for _ in range(s)]) for s in sizes)
+    return AxisProblem(nodes, edges, unary, memory)
+
+
+@settings(max_examples=150, deadline=None)
+@given(random_problems(), st.sampled_from([0.0, 0.5]))
+def test_dp_equals_brute_force_on_random_problems(problem, lam):
+    solution = tofu_dp.solve_axis(problem, lam)
+    assert solution.exact
+    assert abs(solution.objective - problem.objective(solution.choice, lam)) < 1e-9
+    assert abs(solution.objective - _brute_force(problem, lam)) < 1e-9
+
+
+@st.composite
+def random_graphs(draw):
+    """Random MLP-shaped training steps (forward, backward, update) with random widths."""
+    depth = draw(st.integers(1, 2))
+    widths = tuple(draw(st.sampled_from([4, 8, 12])) for _ in range(depth + 1))
+    return mlp_graph(batch=draw(st.sampled_from([4, 8])), widths=widths)
+
+
+@settings(max_examples=15, deadline=None)
+@given(random_graphs(), st.sampled_from([2, 4]), st.sampled_from([0.0, 1e-9]))
+def test_dp_equals_brute_force_on_random_graphs(graph, n, lam):
+    problem = ProblemBuilder(GraphIndex(graph, stub_strategies), (), n, H100_NVLINK.intra_node).build()
+    if np.prod([len(node.options) for node in problem.nodes]) > 4_000:
+        return
+    solution = tofu_dp.solve_axis(problem, lam)
+    assert abs(solution.objective - _brute_force(problem, lam)) <= 1e-12 + 1e-9 * solution.objective
+
+
+def test_ilp_matches_dp_and_proves_optimality():
+    problem = ProblemBuilder(GraphIndex(mlp_graph(), stub_strategies), (), 4, H100_NVLINK.intra_node).build()
+    for lam in (0.0, 1e-9):
+        dp, exact = tofu_dp.solve_axis(problem, lam), ilp.solve_axis(problem, lam)
+        assert exact.exact and abs(dp.objective - exact.objective) <= 1e-9 * max(dp.objective, 1e-12)
+
+
+def test_state_cap_flags_inexact_results():
+    b = GraphBuilder()
+    x = b.input("x", (8, 8))
+    outs = [b.op(f"r{i}", "Relu", (x,), [(8, 8)]) for i in range(6)]
+    b.op("sum", "AddN", tuple(outs), [(8, 8)])
+    problem = ProblemBuilder(GraphIndex(b.build(), stub_strategies), (), 2, H100_NVLINK.intra_node).build()
+    assert not tofu_dp.solve_axis(problem, max_states=2).exact
+    assert tofu_dp.solve_axis(problem, max_states=10_000).exact

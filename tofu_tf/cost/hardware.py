@@ -1,0 +1,81 @@
+"""Hardware profiles: what a byte costs to move on each mesh axis.
+
+A profile describes one node kind (devices per node, device memory) and two
+link classes: inside a node (NVLink, PCIe, shared memory) and between nodes
+(InfiniBand, Ethernet). A mesh axis gets the intra-node link when each of its
+device groups lies inside one node, else the inter-node link; devices are
+numbered row-major over the mesh (the last axis varies fastest), as DTensor's
+``create_mesh`` does. Numbers are per device, one direction, as a ring
+collective sees them. Users pass their own ``HardwareProfile``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tofu_tf.mesh import MeshSpec
+
+GIB = 2**30
+GB = 10**9
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A link class: bytes per second per device (one direction) and per-message latency."""
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self):
+        if self.bandwidth <= 0 or self.latency < 0:
+            raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """A node kind: ``devices_per_node`` devices of ``memory_bytes`` each, joined by
+    ``intra_node`` links, nodes joined by ``inter_node`` links."""
+
+    name: str
+    devices_per_node: int
+    memory_bytes: int
+    intra_node: Link
+    inter_node: Link
+
+    def axis_link(self, mesh: MeshSpec, axis_index: int) -> Link:
+        """The link a collective over ``mesh``'s axis ``axis_index`` runs on."""
+        stride = 1
+        for size in mesh.sizes[axis_index + 1:]:
+            stride *= size
+        span = stride * mesh.sizes[axis_index]
+        if span <= self.devices_per_node and self.devices_per_node % span == 0:
+            return self.intra_node
+        return self.inter_node
+
+
+H100_NVLINK = HardwareProfile(
+    "h100-nvlink", devices_per_node=8, memory_bytes=80 * GIB,
+    intra_node=Link(bandwidth=450 * GB, latency=5e-6),     # NVLink 4: 900 GB/s bidirectional
+    inter_node=Link(bandwidth=50 * GB, latency=10e-6))     # 400 Gb/s InfiniBand per GPU
+H200_NVLINK = dataclasses.replace(H100_NVLINK, name="h200-nvlink", memory_bytes=141 * GB)
+PCIE_GPU = HardwareProfile(
+    "pcie-gpu", devices_per_node=8, memory_bytes=24 * GIB,
+    intra_node=Link(bandwidth=25 * GB, latency=10e-6),     # PCIe 4.0 x16, effective
+    inter_node=Link(bandwidth=12.5 * GB, latency=20e-6))   # 100 Gb/s Ethernet/IB
+CPU_VIRTUAL = HardwareProfile(
+    "cpu-virtual", devices_per_node=1024, memory_bytes=3 * GIB,
+    intra_node=Link(bandwidth=10 * GB, latency=50e-6),     # memcpy between virtual CPU devices
+    inter_node=Link(bandwidth=1.25 * GB, latency=100e-6))  # loopback gRPC between processes
+
+PROFILES = {p.name: p for p in (H100_NVLINK, H200_NVLINK, PCIE_GPU, CPU_VIRTUAL)}
+
+
+def profile(value: "HardwareProfile | str") -> HardwareProfile:
+    """A profile by name, or the profile itself."""
+    if isinstance(value, HardwareProfile):
+        return value
+    try:
+        return PROFILES[value]
+    except KeyError:
+        raise ValueError(f"unknown hardware profile {value!r}; known: {sorted(PROFILES)}, "
+                         "or pass a tofu_tf.cost.HardwareProfile") from None

@@ -1,0 +1,674 @@
+r"""Where to cut a sequential model into pipeline stages so memory is balanced.
+
+This module owns the choice of stage boundaries: the exact memory-centric
+partitioner (``method="optimal"``, CAPSlog's objective) and the baselines it is
+compared with (Megatron's uniform split, DeepSpeed's ``partition_method=
+"parameters"``, torchgpipe's ``balance_by_time``). What a stage costs is not its
+business -- that is ``stage_model`` -- and it imports no TensorFlow.
+
+Problem
+-------
+Layers ``0..n-1`` go to ``p`` stages in order: stage ``r`` holds ``[x_r, x_{r+1})``
+with ``0 = x_0 < x_1 < ... < x_p = n``; ``c_r(i, j)`` is its peak
+(``StageCostModel.peaks``). "optimal" minimises the vector of stage peaks sorted
+in descending order, lexicographically: first the largest peak, then the second
+largest, and so on (CAPSlog's tie-breaking rule, made exact).
+
+Lexicographic dynamic program
+-----------------------------
+Order multisets by their descending-sorted vectors, lexicographically. This order
+is compatible with union and cancellative: ``A <= B  <=>  A + C <= B + C``
+(``+`` is multiset union). Hence the chain DP is exact with multiset values::
+
+    F_0(x_0) = {}
+    F_{r+1}(j) = lexmin_{i < j}  F_r(i) + {c_r(i, j)}
+    answer     = F_p(n)
+
+Each node stores only ``M_r(j) = max F_r(j)``, its parent and its incoming stage
+peak. Candidates are ranked by ``max(M_r(i), c_r(i, j))``; ties go to a full
+comparison, in which the part of the two histories before their DP paths meet
+cancels, so only the diverging tails are sorted and compared.
+
+Exact pruning
+-------------
+For a bound ``U >= optimum``, every partition with all peaks ``<= U`` has
+``x_r`` in a window ``[lo_r, hi_r]``: ``lo`` from a right-to-left greedy (each
+stage takes all the layers that fit under ``U``, leaving one per earlier
+stage), ``hi`` from the left-to-right greedy. By the exchange argument of
+chains-on-chains partitioning (Pinar & Aykanat, JPDC 2004) both are exact when
+``c_r(i, j)`` grows with the interval ``[i, j)`` and does not grow with ``r`` --
+true of the analytic model and of measured figures with
+``isolated_{l-1} + added_l >= isolated_l``. In that case the min-max bound
+``B* = min over partitions of max_r c_r`` is found exactly by bisection with the
+greedy as feasibility probe; a failed probe at ``B`` also proves every bound
+below ``min_r c_r(stage r + its next layer)`` infeasible, so the search jumps.
+
+Decomposition: a boundary whose window is one point lies on every partition
+within the bound, so the chain splits there into independent pieces, and by
+union compatibility the lexicographic optimum is the union of the pieces'
+optima. Each piece is solved again with its own, lower, ``B*``, which narrows
+its windows; the DP runs on pieces whose windows are narrow or unsplittable.
+
+Non-monotone costs (measured offsets ``isolated - added`` that break the
+inequality above, or chains mixing measured and analytic layers): the greedy
+is not exact (CAPSlog's misses the optimum this way), so ``U`` is the best
+peak of feasible greedy partitions, and the windows come from a monotone lower
+bound ``l_r(i, j) <= c_r(i, j)`` (``StageCostModel.bound_form``): still a
+superset of every partition within ``U``, so the DP over them stays exact.
+
+Cost: ``O(n log U)`` per bisection, ``O(sum_r |W_r| |W_{r+1}|)`` for the DP,
+plus the tie comparisons.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import enum
+import time
+from typing import Sequence
+
+import numpy as np
+
+from tofu_tf.pipeline.stage_model import (LinearForm, Schedule, StageCostModel,
+                                          check_pipeline_shape, inflight_microbatches,
+                                          stage_peak_bytes)
+from tofu_tf.pipeline.stats import LayerStats, validate_chain
+
+_INF = int(np.iinfo(np.int64).max)
+# Split a piece at its pinned boundaries when its DP would visit more than
+# this many (start, stop) pairs per stage.
+_SPLIT_WORK_PER_STAGE = 64
+# Probe budget of the heuristic bound for non-monotone costs.
+_HEURISTIC_PROBES = 64
+# DP blocks up to this many entries are scanned in plain Python, larger ones in numpy.
+_SMALL_BLOCK = 64
+# Peaks computed per numpy call when filling DP blocks.
+_BLOCK_ENTRIES = 1 << 20
+
+
+class Method(enum.Enum):
+    """How ``partition`` chooses boundaries."""
+
+    OPTIMAL = "optimal"        # exact lexicographic min of the stage peaks
+    UNIFORM = "uniform"        # equal layer counts (Megatron-LM)
+    PARAMETERS = "parameters"  # balanced param_count (DeepSpeed partition_method)
+    TIME = "time"              # balanced compute_seconds (torchgpipe balance_by_time)
+
+    @classmethod
+    def from_user(cls, value: "Method | str") -> "Method":
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            for method in cls:
+                if method.value == value.strip().lower():
+                    return method
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"unknown method {value!r}; expected one of {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """Stage boundaries for one chain, with the peak each stage will reach."""
+
+    boundaries: tuple[int, ...]        # first layer of each stage; boundaries[0] == 0
+    stage_peak_bytes: tuple[int, ...]  # peak of each stage under the stage model
+    method: Method
+    schedule: Schedule
+    num_microbatches: int
+    search_seconds: float
+    layer_names: tuple[str, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.boundaries)
+
+    @property
+    def max_peak_bytes(self) -> int:
+        return max(self.stage_peak_bytes)
+
+    @property
+    def stage_ranges(self) -> tuple[tuple[int, int], ...]:
+        """``(start, stop)`` layer range of each stage."""
+        stops = self.boundaries[1:] + (len(self.layer_names),)
+        return tuple(zip(self.boundaries, stops))
+
+    def summary(self) -> str:
+        """A table a person reads: layers, in-flight micro-batches and peak per stage."""
+        header = (f"StagePlan: {len(self.layer_names)} layers on {self.num_stages} stages, "
+                  f"method={self.method.value}, schedule={self.schedule.value}, "
+                  f"{self.num_microbatches} micro-batches, search {self.search_seconds * 1e3:.1f} ms")
+        rows = [f"{'stage':>5}  {'layers':>6}  {'in-flight':>9}  {'peak':>11}  first .. last"]
+        for r, (start, stop) in enumerate(self.stage_ranges):
+            inflight = inflight_microbatches(r, self.num_stages, self.schedule,
+                                             self.num_microbatches)
+            names = f"{self.layer_names[start]} .. {self.layer_names[stop - 1]}"
+            rows.append(f"{r:>5}  {stop - start:>6}  {inflight:>9}  "
+                        f"{_format_bytes(self.stage_peak_bytes[r]):>11}  {names}")
+        worst = self.stage_peak_bytes.index(self.max_peak_bytes)
+        footer = f"max stage peak {_format_bytes(self.max_peak_bytes)} (stage {worst})"
+        return "\n".join([header, *rows, footer])
+
+
+def partition(stats: Sequence[LayerStats], num_stages: int, *, schedule: "Schedule | str" = "1f1b",
+              num_microbatches: int, method: "Method | str" = "optimal") -> StagePlan:
+    """Cut ``stats`` (a layer chain) into ``num_stages`` pipeline stages.
+
+    >>> from tofu_tf.pipeline import LayerStats
+    >>> layers = [LayerStats(name=f"l{i}", state_bytes=s, activation_bytes=1,
+    ...                      transient_bytes=0) for i, s in enumerate([8, 1, 1, 1, 1, 8])]
+    >>> plan = partition(layers, 2, schedule="gpipe", num_microbatches=1)
+    >>> plan.boundaries, plan.stage_peak_bytes
+    ((0, 3), (13, 13))
+    """
+    chain = validate_chain(stats)
+    method = Method.from_user(method)
+    schedule = Schedule.from_user(schedule)
+    check_pipeline_shape(num_stages, num_microbatches)
+    if num_stages > len(chain):
+        raise ValueError(f"num_stages={num_stages} exceeds the {len(chain)} layers; "
+                         "every stage needs at least one layer")
+    started = time.perf_counter()
+    boundaries = _boundaries(method, chain, num_stages, schedule, num_microbatches)
+    seconds = time.perf_counter() - started
+    stops = boundaries[1:] + (len(chain),)
+    peaks = tuple(stage_peak_bytes(chain, start, stop, r, num_stages, schedule, num_microbatches)
+                  for r, (start, stop) in enumerate(zip(boundaries, stops)))
+    return StagePlan(boundaries=boundaries, stage_peak_bytes=peaks, method=method,
+                     schedule=schedule, num_microbatches=int(num_microbatches),
+                     search_seconds=seconds, layer_names=tuple(l.name for l in chain))
+
+
+def _boundaries(method: Method, chain, num_stages, schedule, num_microbatches) -> tuple[int, ...]:
+    if method is Method.OPTIMAL:
+        model = StageCostModel.build(chain, num_stages, schedule, num_microbatches)
+        return tuple(_Search(model).solve())
+    if method is Method.UNIFORM:
+        return uniform_boundaries(len(chain), num_stages)
+    if method is Method.PARAMETERS:
+        return balanced_boundaries([l.param_count for l in chain], num_stages)
+    return balanced_boundaries([round(l.compute_seconds * 1e9) for l in chain], num_stages)
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def uniform_boundaries(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Equal layer counts; the first ``num_layers % num_stages`` stages get one more."""
+    size, extra = divmod(num_layers, num_stages)
+    return tuple(r * size + min(r, extra) for r in range(num_stages))
+
+
+def balanced_boundaries(weights: Sequence[int], num_stages: int) -> tuple[int, ...]:
+    """Contiguous split minimising the heaviest stage's weight sum (a balanced prefix split).
+
+    Among the splits reaching that minimum, the one filling earlier stages first,
+    as DeepSpeed's ``partition_balanced`` does. All-zero weights split uniformly.
+    """
+    weights = [int(w) for w in weights]
+    if not any(weights):
+        return uniform_boundaries(len(weights), num_stages)
+    zeros = (0,) * len(weights)
+    form = LinearForm(base=tuple(weights), activation=zeros, offset=zeros, transient=zeros,
+                      multiplier=(0,) * num_stages)
+    piece = _Piece(0, len(weights), 0, num_stages)
+    bound, _ = _bisect(form, piece, _form_lower_bound(form, piece))
+    return tuple(_left_greedy(form, piece, bound)[:-1])
+
+
+# --------------------------------------------------------------------------- exact search
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Layers [start, stop) on stages [first, stop_stage)."""
+
+    start: int
+    stop: int
+    first: int
+    stop_stage: int
+
+    @property
+    def stages(self) -> int:
+        return self.stop_stage - self.first
+
+    @property
+    def layers(self) -> int:
+        return self.stop - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    """Outcome of a right-to-left greedy under a bound."""
+
+    ok: bool                 # every stage within the bound, all layers covered
+    starts: list[int]        # first layer of each stage of the piece
+    peak: int                # largest stage cost taken (meaningful when ok)
+    next_bound: int          # failed: no bound below this can succeed
+    excess: int              # peak of the first stage minus the bound
+
+
+class _Search:
+    """Exact lexicographic partition of one chain under one ``StageCostModel``."""
+
+    def __init__(self, model: StageCostModel):
+        self.model = model
+        self.exact = model.monotone
+        self.window_form = model.exact_form if self.exact else model.bound_form
+        self.reach = None
+        if not self.exact and model.exact_form is not None and not any(model.exact_form.transient):
+            self.reach = _ReachTables.build(model.exact_form)
+
+    def solve(self) -> list[int]:
+        model = self.model
+        starts = [0] * model.num_stages
+        work = [_Piece(0, model.num_layers, 0, model.num_stages)]
+        while work:
+            piece = work.pop()
+            solved = self._trivial(piece)
+            if solved is None:
+                solved, pieces = self._solve_piece(piece)
+                work.extend(pieces)
+            starts[piece.first: piece.first + len(solved)] = solved
+        return starts
+
+    @staticmethod
+    def _trivial(piece: _Piece) -> list[int] | None:
+        if piece.stages == 1:
+            return [piece.start]
+        if piece.stages == piece.layers:
+            return list(range(piece.start, piece.stop))
+        return None
+
+    def _solve_piece(self, piece: _Piece) -> tuple[list[int], list[_Piece]]:
+        """Either the piece's starts, or no starts and the sub-pieces to solve instead."""
+        bound, greedy_starts = self._bound(piece)
+        lo, hi = self._windows(piece, bound, greedy_starts)
+        pins = [b for b in range(1, piece.stages) if lo[b] == hi[b]]
+        if pins and _window_work(lo, hi) > _SPLIT_WORK_PER_STAGE * piece.stages:
+            return [], _split(piece, pins, lo)
+        return _lex_dp(self.model, piece, lo, hi, bound), []
+
+    def _windows(self, piece: _Piece, bound: int,
+                 greedy_starts: list[int] | None) -> tuple[list[int], list[int]]:
+        """``[lo_b, hi_b]`` holding boundary b of every partition of the piece within ``bound``.
+
+        ``greedy_starts``, when given, is the window form's right greedy at a
+        bound >= ``bound``: its starts are lower limits already.
+        """
+        if greedy_starts is None:
+            greedy_starts = _right_greedy(self.window_form, piece, bound).starts
+        lo = greedy_starts + [piece.stop]
+        hi = _left_greedy(self.window_form, piece, bound)
+        if self.reach is not None:
+            lo, hi = self.reach.windows(piece, bound, lo, hi)
+        if any(l > h for l, h in zip(lo, hi)):
+            raise RuntimeError(f"internal error: empty boundary window under bound {bound}")
+        return lo, hi
+
+    def _bound(self, piece: _Piece) -> tuple[int, list[int] | None]:
+        """A bound >= the piece's min-max peak (equal to it when the costs are
+        monotone), and the right greedy's starts there if known."""
+        if self.exact:
+            lower = _form_lower_bound(self.window_form, piece)
+            bound, partitions = _bisect(self.window_form, piece, lower)
+            return bound, partitions[-1]
+        return self._heuristic_bound(piece), None
+
+    def _heuristic_bound(self, piece: _Piece) -> int:
+        """Best true peak among greedy partitions found by bisecting a greedy's bound."""
+        form = self.model.exact_form or self.model.bound_form
+        _, partitions = _bisect(form, piece, 0, max_probes=_HEURISTIC_PROBES)
+        return min(self._true_peak(piece, starts) for starts in partitions)
+
+    def _true_peak(self, piece: _Piece, starts: list[int]) -> int:
+        stops = starts[1:] + [piece.stop]
+        stages = np.arange(piece.first, piece.stop_stage)
+        return int(self.model.peaks(stages, starts, stops).max())
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReachTables:
+    """Exact boundary windows for a transient-free ``LinearForm`` (measured figures).
+
+    There ``c_r(i, j) = offset_i + W_r(j) - W_r(i)`` with ``W_r`` non-decreasing,
+    so from a start i the feasible ends form an interval, and to an end j the
+    cheapest continuation is the nearest feasible next boundary. Forward and
+    backward reachability inside given superset windows are then exact, even
+    though the cost is not monotone in the start.
+    """
+
+    base: np.ndarray        # prefix sums of LinearForm.base
+    activation: np.ndarray  # prefix sums of LinearForm.activation
+    offset: np.ndarray
+    multiplier: tuple[int, ...]
+
+    @classmethod
+    def build(cls, form: LinearForm) -> "_ReachTables":
+        def prefix(values):
+            return np.concatenate([[0], np.cumsum(np.asarray(values, dtype=np.int64))])
+        return cls(base=prefix(form.base), activation=prefix(form.activation),
+                   offset=np.asarray(form.offset + (0,), dtype=np.int64),
+                   multiplier=form.multiplier)
+
+    def windows(self, piece: _Piece, bound: int, lo: list[int],
+                hi: list[int]) -> tuple[list[int], list[int]]:
+        forward = [np.array([piece.start])]
+        for b in range(piece.stages - 1):
+            forward.append(self._step_forward(piece.first + b, forward[-1],
+                                              np.arange(lo[b + 1], hi[b + 1] + 1), bound))
+        members = [np.array([piece.stop])]
+        for b in range(piece.stages - 1, 0, -1):
+            members.append(self._step_backward(piece.first + b, forward[b], members[-1], bound))
+        members.append(forward[0])
+        members.reverse()
+        if any(len(m) == 0 for m in members):
+            raise RuntimeError(f"internal error: no partition within bound {bound}")
+        return [int(m[0]) for m in members], [int(m[-1]) for m in members]
+
+    def _level(self, stage: int, positions: np.ndarray) -> np.ndarray:
+        return self.base[positions] + self.multiplier[stage] * self.activation[positions]
+
+    def _step_forward(self, stage, starts, ends, bound) -> np.ndarray:
+        """Ends reachable from ``starts`` (sorted) by one stage within ``bound``."""
+        limit = bound - self.offset[starts] + self._level(stage, starts)
+        index = np.searchsorted(self._level(stage, ends), limit, side="right") - 1
+        farthest = np.maximum.accumulate(np.where(index >= 0, ends[np.maximum(index, 0)], -1))
+        before = np.searchsorted(starts, ends, side="left")  # starts strictly before each end
+        reach = (before > 0) & (farthest[np.maximum(before - 1, 0)] >= ends)
+        return ends[reach]
+
+    def _step_backward(self, stage, starts, ends, bound) -> np.ndarray:
+        """``starts`` from which one stage within ``bound`` reaches one of ``ends`` (sorted)."""
+        index = np.searchsorted(ends, starts, side="right")
+        nearest = ends[np.minimum(index, len(ends) - 1)]
+        cost = self.offset[starts] + self._level(stage, nearest) - self._level(stage, starts)
+        return starts[(index < len(ends)) & (cost <= bound)]
+
+
+def _window_work(lo: list[int], hi: list[int]) -> int:
+    sizes = [h - l + 1 for l, h in zip(lo, hi)]
+    return sum(a * b for a, b in zip(sizes, sizes[1:]))
+
+
+def _split(piece: _Piece, pins: list[int], lo: list[int]) -> list[_Piece]:
+    cuts = [0, *pins, piece.stages]
+    return [_Piece(lo[a], lo[b], piece.first + a, piece.first + b) for a, b in zip(cuts, cuts[1:])]
+
+
+# --------------------------------------------------------------------------- greedy probes
+
+
+def _right_greedy(form: LinearForm, piece: _Piece, bound: int) -> _Probe:
+    """Stages from the last: each takes every layer that fits under ``bound``;
+    the first stage takes what is left.
+
+    A stage whose single layer exceeds the bound takes it anyway (the probe
+    fails) so that ``excess`` stays informative for the bisection.
+    """
+    base, act, offset, transient, mult = (form.base, form.activation, form.offset,
+                                          form.transient, form.multiplier)
+    stop, peak, next_bound = piece.stop, 0, _INF
+    starts = [piece.start] * piece.stages
+    for b in range(piece.stages - 1, 0, -1):
+        k, cap = mult[piece.first + b], piece.start + b
+        s = stop - 1
+        total, top = base[s] + k * act[s], transient[s]
+        cost = total + offset[s] + top
+        if cost > bound and cost < next_bound:
+            next_bound = cost
+        while s > cap:
+            total_ = total + base[s - 1] + k * act[s - 1]
+            top_ = top if top >= transient[s - 1] else transient[s - 1]
+            cost_ = total_ + offset[s - 1] + top_
+            if cost_ > bound:
+                if cost_ < next_bound:
+                    next_bound = cost_
+                break
+            s, total, top, cost = s - 1, total_, top_, cost_
+        starts[b] = stop = s
+        if cost > peak:
+            peak = cost
+    first = _stage_cost(form, piece.first, piece.start, stop)
+    if first > bound:
+        next_bound = min(next_bound, first)
+    return _Probe(ok=max(peak, first) <= bound, starts=starts, peak=max(peak, first),
+                  next_bound=next_bound, excess=first - bound)
+
+
+def _stage_cost(form: LinearForm, stage: int, start: int, stop: int) -> int:
+    k = form.multiplier[stage]
+    total = sum(form.base[start:stop]) + k * sum(form.activation[start:stop])
+    return total + form.offset[start] + max(form.transient[start:stop])
+
+
+def _left_greedy(form: LinearForm, piece: _Piece, bound: int) -> list[int]:
+    """Largest position of each boundary over partitions within ``bound`` (monotone costs).
+
+    Stage ``b`` extends from the previous boundary while it fits, leaving one
+    layer for each later stage; if nothing fits, the boundary stays put (the
+    result remains an upper bound).
+    """
+    base, act, offset, transient, mult = (form.base, form.activation, form.offset,
+                                          form.transient, form.multiplier)
+    hi = [piece.start]
+    at = piece.start
+    for b in range(piece.stages - 1):
+        k, cap = mult[piece.first + b], piece.stop - (piece.stages - 1 - b)
+        total, top, lead, end = 0, 0, offset[at], at
+        while end < cap:
+            total += base[end] + k * act[end]
+            if transient[end] > top:
+                top = transient[end]
+            if total + lead + top > bound:
+                break
+            end += 1
+        at = end
+        hi.append(at)
+    hi.append(piece.stop)
+    return hi
+
+
+def _form_lower_bound(form: LinearForm, piece: _Piece) -> int:
+    """No partition of the piece has a lower max: each layer must sit in a stage
+    no later than its position allows, and the stages share the total."""
+    sl = slice(piece.start, piece.stop)
+    base, act = np.asarray(form.base[sl], np.int64), np.asarray(form.activation[sl], np.int64)
+    offset, top = np.asarray(form.offset[sl], np.int64), np.asarray(form.transient[sl], np.int64)
+    mult = np.asarray(form.multiplier[piece.first: piece.stop_stage], np.int64)
+    latest = np.minimum(np.arange(piece.layers), piece.stages - 1)
+    single = int((base + mult[latest] * act + offset + top).max())
+    shared = int(base.sum() + mult.min() * act.sum() + piece.stages * min(0, int(offset.min())))
+    return max(single, -(-shared // piece.stages))
+
+
+def _fluid_estimate(form: LinearForm, piece: _Piece) -> int:
+    """The bound at which stages of average layers would hold the piece, each
+    stage losing half a layer to rounding."""
+    sl = slice(piece.start, piece.stop)
+    layer = np.mean(form.base[sl]) + np.mean(form.offset[sl]) / 4
+    mult = np.asarray(form.multiplier[piece.first: piece.stop_stage], dtype=np.float64)
+    per_layer = np.maximum(layer + mult * np.mean(form.activation[sl]), 1.0)
+    bound = np.mean(form.transient[sl]) + (piece.layers + piece.stages / 2) / np.sum(1 / per_layer)
+    return int(min(bound, _INF // 2))
+
+
+def _bisect(form: LinearForm, piece: _Piece, lower: int,
+            max_probes: int | None = None) -> tuple[int, list[list[int]]]:
+    """Smallest bound the right greedy meets, and the partitions of successful probes.
+
+    The exact min-max when the form is monotone (``lower`` must not exceed it);
+    a heuristic otherwise, with ``max_probes`` capping the work.
+
+    Guesses: a failed probe leaves the first stage ``excess`` over the bound,
+    and raising the bound by d lets each of the other stages absorb about d,
+    so the root of the excess is extrapolated (secant of the last two
+    failures). A failure that jumps the lower limit to the next event is
+    followed by a probe at that event, which often is the answer. Whenever
+    the bracket fails to halve, the next guess halves it.
+    """
+    upper, found, fails, probes = None, [], [], 0
+    guess, width, at_event = max(lower, _fluid_estimate(form, piece)), None, False
+    while max_probes is None or probes < max_probes:
+        probe = _right_greedy(form, piece, guess)
+        probes += 1
+        if probe.ok:
+            upper = probe.peak
+            found.append(probe.starts)
+        else:
+            lower = max(guess + 1, probe.next_bound)
+            fails = [*fails[-1:], (guess, probe.excess)]
+        if upper is not None and lower >= upper:
+            break
+        if upper is not None and not probe.ok and not at_event and lower > guess + 1:
+            guess, at_event = lower, True
+            continue
+        guess, width = _next_guess(lower, upper, fails, width, piece.stages)
+        at_event = False
+    if upper is None:  # only reachable with a probe budget
+        probe = _right_greedy(form, piece, _INF - 1)
+        upper, found = probe.peak, [probe.starts]
+    return upper, found
+
+
+def _next_guess(lower: int, upper: int | None, fails: list[tuple[int, int]], width: int | None,
+                stages: int) -> tuple[int, int | None]:
+    """Next bound to probe, and the bracket width it was chosen in."""
+    if len(fails) == 2 and fails[1][1] < fails[0][1]:
+        (b0, e0), (b1, e1) = fails
+        step = e1 * (b1 - b0) // (e0 - e1)
+    elif fails:
+        step = fails[-1][1] // stages
+    else:
+        step = None
+    guess = None if step is None else fails[-1][0] + step + step // 16 + 1
+    if upper is None:
+        return max(lower, guess), None
+    gap = upper - lower
+    if guess is None or guess >= upper or (width is not None and 2 * gap > width):
+        return lower + gap // 2, gap
+    return min(max(guess, lower), upper - 1), gap
+
+
+# --------------------------------------------------------------------------- lexicographic DP
+#
+# A node's key is the multiset of its path's stage peaks since the last
+# boundary with a single reachable node (earlier peaks are common to every
+# candidate and cancel), stored negated and sorted ascending: a larger key is a
+# lexicographically smaller descending peak vector, and the first entry is
+# minus the largest peak.
+
+
+def _lex_dp(model: StageCostModel, piece: _Piece, lo: list[int], hi: list[int],
+            bound: int) -> list[int]:
+    """Lexicographically optimal starts of the piece's stages, boundaries within [lo, hi]."""
+    keys: list[tuple | None] = [()]
+    parents: list[list[int]] = []
+    for b, costs in enumerate(_cost_blocks(model, piece, lo, hi)):
+        if sum(key is not None for key in keys) == 1:
+            keys = [None if key is None else () for key in keys]
+        keys, chosen = _dp_step(keys, lo[b], lo[b + 1], costs, bound)
+        parents.append(chosen)
+    if keys[-1] is None:
+        raise RuntimeError(f"internal error: no partition within bound {bound}")
+    starts, at = [], piece.stop
+    for b in range(piece.stages, 0, -1):
+        at = parents[b - 1][at - lo[b]]
+        starts.append(at)
+    return starts[::-1]
+
+
+def _dp_step(keys: list, row0: int, col0: int, costs: np.ndarray,
+             bound: int) -> tuple[list, list[int]]:
+    """One DP layer: each end (column) takes its lexicographically best start (row)."""
+    tops = [_INF if key is None else (-key[0] if key else 0) for key in keys]
+    small = costs.size <= _SMALL_BLOCK
+    table = costs.tolist() if small else costs
+    finder = _candidates_small if small else _candidates_large
+    new_keys, parents = [], []
+    for col, rows in enumerate(finder(tops, costs, row0, col0, bound)):
+        best, parent = None, -1
+        for row in rows:
+            key = _insert(keys[row], int(table[row][col]))
+            if best is None or key > best:
+                best, parent = key, row0 + row
+        new_keys.append(best)
+        parents.append(parent)
+    return new_keys, parents
+
+
+def _insert(key: tuple, cost: int) -> tuple:
+    at = bisect.bisect_left(key, -cost)
+    return key[:at] + (-cost,) + key[at:]
+
+
+def _candidates_small(tops: list[int], costs: np.ndarray, row0: int, col0: int,
+                      bound: int) -> list[list[int]]:
+    """Per column, the valid rows with the smallest max(top, cost); plain Python."""
+    table = costs.tolist()
+    out = []
+    for col in range(costs.shape[1]):
+        best, rows = _INF, []
+        for row in range(min(len(tops), col0 + col - row0)):
+            cost, top = table[row][col], tops[row]
+            if top >= _INF or cost > bound:
+                continue
+            key = cost if cost > top else top
+            if key < best:
+                best, rows = key, [row]
+            elif key == best:
+                rows.append(row)
+        out.append(rows)
+    return out
+
+
+def _candidates_large(tops: list[int], costs: np.ndarray, row0: int, col0: int,
+                      bound: int) -> list[list[int]]:
+    """``_candidates_small`` vectorised, for wide windows."""
+    top = np.asarray(tops, dtype=np.int64)[:, None]
+    starts = np.arange(row0, row0 + costs.shape[0])[:, None]
+    stops = np.arange(col0, col0 + costs.shape[1])[None, :]
+    valid = (starts < stops) & (costs <= bound) & (top < _INF)
+    keys = np.where(valid, np.maximum(top, costs), _INF)
+    ties = valid & (keys == keys.min(axis=0))
+    out: list[list[int]] = [[] for _ in range(costs.shape[1])]
+    for col, row in zip(*np.nonzero(ties.T)):
+        out[col].append(int(row))
+    return out
+
+
+def _cost_blocks(model: StageCostModel, piece: _Piece, lo: list[int], hi: list[int]):
+    """Yield, stage by stage, the peaks of every (start, stop) pair the windows allow."""
+    rows = np.asarray(hi[:-1]) - np.asarray(lo[:-1]) + 1
+    cols = np.asarray(hi[1:]) - np.asarray(lo[1:]) + 1
+    sizes = rows * cols
+    first = 0
+    while first < piece.stages:
+        last = first + max(1, int(np.searchsorted(np.cumsum(sizes[first:]), _BLOCK_ENTRIES,
+                                                  side="right")))
+        flat = _flat_peaks(model, piece, lo, first, last, rows, cols)
+        for b, block in zip(range(first, last), np.split(flat, np.cumsum(sizes[first:last])[:-1])):
+            yield block.reshape(rows[b], cols[b])
+        first = last
+
+
+def _flat_peaks(model, piece, lo, first, last, rows, cols) -> np.ndarray:
+    counts = rows[first:last] * cols[first:last]
+    stage = np.repeat(np.arange(first, last), counts)
+    local = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    width = cols[stage]
+    lo_arr = np.asarray(lo)
+    starts = lo_arr[stage] + local // width
+    stops = lo_arr[stage + 1] + local % width
+    return model.peaks(piece.first + stage, starts, stops)
+
+
+def _format_bytes(count: int) -> str:
+    if count < 1024:
+        return f"{count} B"
+    value, unit = float(count), "B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024:
+            break
+    return f"{value:.2f} {unit}"

@@ -1,0 +1,302 @@
+"""How much memory one pipeline stage needs: the stage model.
+
+This module owns the answer to "what is the peak of stage r of p if it holds
+layers [i, j)?" under a pipeline schedule, in three forms that must agree:
+
+* ``stage_peak_bytes`` -- the reference, plain Python over ``LayerStats``;
+* ``StageCostModel.peaks`` -- the same numbers, vectorised with numpy, for the
+  search in ``tofu_tf.pipeline.partition``;
+* ``LinearForm`` -- the per-layer sums the search's greedy probes scan.
+
+It does not choose boundaries (that is ``partition``) and imports no TensorFlow.
+
+The model. Stage r (0-based) of p keeps ``k_r`` micro-batches in flight:
+``k_r = min(m, p - r)`` under 1F1B (the first stage runs p forwards before its
+first backward) and ``k_r = m`` under GPipe (all forwards before any backward).
+
+* Analytic figures (any layer of the stage lacks measurements)::
+
+      peak(r, i, j) = sum_{l in [i,j)} state_l
+                    + k_r * sum_{l in [i,j)} activation_l
+                    + max_{l in [i,j)} transient_l
+
+* Measured figures (every layer of the stage has ``isolated_bytes`` and
+  ``added_bytes``), mCAP's predictor plus the schedule's extra micro-batches::
+
+      peak(r, i, j) = isolated_i + sum_{l in (i,j)} added_l
+                    + (k_r - 1) * sum_{l in [i,j)} activation_l
+
+  The profiled figures already contain one micro-batch of activations (the
+  one inside the profiling run), so only the ``k_r - 1`` others are added.
+
+Embedding, LM head and loss are layers like any other: whatever stage holds
+them pays for them, so first/last-stage extras need no special case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Sequence
+
+import numpy as np
+
+from tofu_tf.pipeline.stats import LayerStats, validate_chain
+
+# Every stage peak must fit int64 with room to spare; the search adds and
+# compares peaks in numpy int64.
+_MAX_TOTAL_BYTES = 1 << 62
+
+
+class Schedule(enum.Enum):
+    """Pipeline schedule; decides how many micro-batches each stage keeps alive."""
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+
+    @classmethod
+    def from_user(cls, value: "Schedule | str") -> "Schedule":
+        """``value`` as a ``Schedule``; accepts the enum or its string ("1f1b", "gpipe")."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            for schedule in cls:
+                if schedule.value == value.strip().lower():
+                    return schedule
+        allowed = ", ".join(repr(s.value) for s in cls)
+        raise ValueError(f"unknown schedule {value!r}; expected one of {allowed}")
+
+
+def check_pipeline_shape(num_stages: int, num_microbatches: int) -> None:
+    """Raise if the stage or micro-batch count is not a positive integer."""
+    for label, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
+
+
+def inflight_microbatches(stage_index: int, num_stages: int, schedule: "Schedule | str",
+                          num_microbatches: int) -> int:
+    """Micro-batches whose activations stage ``stage_index`` keeps at its peak.
+
+    >>> [inflight_microbatches(r, 4, "1f1b", 8) for r in range(4)]
+    [4, 3, 2, 1]
+    >>> inflight_microbatches(0, 4, "gpipe", 8)
+    8
+    """
+    schedule = Schedule.from_user(schedule)
+    check_pipeline_shape(num_stages, num_microbatches)
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(
+            f"stage_index {stage_index} out of range for {num_stages} stages")
+    if schedule is Schedule.GPIPE:
+        return int(num_microbatches)
+    return int(min(num_microbatches, num_stages - stage_index))
+
+
+def stage_peak_bytes(stats: Sequence[LayerStats], start: int, stop: int, stage_index: int,
+                     num_stages: int, schedule: "Schedule | str", num_microbatches: int) -> int:
+    """Peak bytes of stage ``stage_index`` of ``num_stages`` holding ``stats[start:stop]``."""
+    if not 0 <= start < stop <= len(stats):
+        raise ValueError(
+            f"stage layers [{start}, {stop}) are not a non-empty range of {len(stats)} layers")
+    inflight = inflight_microbatches(stage_index, num_stages, schedule, num_microbatches)
+    layers = stats[start:stop]
+    activations = sum(layer.activation_bytes for layer in layers)
+    if all(layer.is_measured for layer in layers):
+        added = sum(layer.added_bytes for layer in layers[1:])
+        return layers[0].isolated_bytes + added + (inflight - 1) * activations
+    state = sum(layer.state_bytes for layer in layers)
+    transient = max(layer.transient_bytes for layer in layers)
+    return state + inflight * activations + transient
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearForm:
+    """A stage cost that a greedy probe can accumulate layer by layer.
+
+    ``cost(r, i, j) = sum_{l in [i,j)} (base_l + multiplier_r * activation_l)
+    + offset_i + max_{l in [i,j)} transient_l``.
+    """
+
+    base: tuple[int, ...]
+    activation: tuple[int, ...]
+    offset: tuple[int, ...]
+    transient: tuple[int, ...]
+    multiplier: tuple[int, ...]  # one per stage index
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageCostModel:
+    """Vectorised stage peaks for one chain under one schedule and micro-batch count.
+
+    ``monotone`` is True when a stage's peak never drops as it gains layers
+    (always for analytic figures; for measured ones when
+    ``isolated_{l-1} + added_l >= isolated_l``). Peaks never grow with the stage
+    index, since ``k_r`` does not. ``exact_form`` is the stage cost as a
+    ``LinearForm`` when the chain is all analytic or all measured (else None);
+    ``bound_form`` is a monotone ``LinearForm`` that never exceeds the true peak.
+    Derived tables are built on first use.
+    """
+
+    chain: tuple[LayerStats, ...] = dataclasses.field(repr=False)
+    num_stages: int
+    inflight: tuple[int, ...]
+
+    @classmethod
+    def build(cls, stats: Sequence[LayerStats], num_stages: int, schedule: "Schedule | str",
+              num_microbatches: int) -> "StageCostModel":
+        chain = validate_chain(stats)
+        check_pipeline_shape(num_stages, num_microbatches)
+        inflight = tuple(inflight_microbatches(r, num_stages, schedule, num_microbatches)
+                         for r in range(num_stages))
+        _check_magnitude(chain, max(inflight))
+        return cls(chain=chain, num_stages=int(num_stages), inflight=inflight)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.chain)
+
+    @functools.cached_property
+    def _measured(self) -> tuple[bool, ...]:
+        return tuple(layer.is_measured for layer in self.chain)
+
+    @functools.cached_property
+    def monotone(self) -> bool:
+        if not any(self._measured):
+            return True
+        return all(self._measured) and all(
+            prev.isolated_bytes + cur.added_bytes >= cur.isolated_bytes
+            for prev, cur in zip(self.chain, self.chain[1:]))
+
+    @functools.cached_property
+    def exact_form(self) -> LinearForm | None:
+        if all(self._measured):
+            return _measured_form(self.chain, self.inflight)
+        if not any(self._measured):
+            return _analytic_form(self.chain, self.inflight)
+        return None
+
+    @functools.cached_property
+    def bound_form(self) -> LinearForm:
+        return _bound_form(self.chain, self.inflight)
+
+    @functools.cached_property
+    def _arrays(self) -> dict:
+        return _prefix_arrays(self.chain, self.inflight)
+
+    def peaks(self, stage, start, stop) -> np.ndarray:
+        """int64 peaks for broadcastable arrays of stage indices and [start, stop) ranges.
+
+        Entries with ``stop <= start`` are meaningless (but computed safely).
+        """
+        arr = self._arrays
+        stage = np.asarray(stage)
+        start = np.asarray(start, dtype=np.int64)
+        stop = np.maximum(np.asarray(stop, dtype=np.int64), start + 1)
+        k = arr["inflight"][stage]
+        act = arr["act"][stop] - arr["act"][start]
+        analytic = arr["state"][stop] - arr["state"][start] + k * act + _range_max(arr, start, stop)
+        if arr["measured"] is None:
+            return analytic
+        measured = arr["iso"][start] + arr["added"][stop] - arr["added"][start + 1] + (k - 1) * act
+        all_measured = (arr["measured"][stop] - arr["measured"][start]) == (stop - start)
+        return np.where(all_measured, measured, analytic)
+
+
+def _check_magnitude(chain: Sequence[LayerStats], max_inflight: int) -> None:
+    total = (sum(l.state_bytes + l.transient_bytes + (l.isolated_bytes or 0) + (l.added_bytes or 0)
+                 for l in chain)
+             + max_inflight * sum(l.activation_bytes for l in chain))
+    if total >= _MAX_TOTAL_BYTES:
+        raise ValueError(
+            f"the chain's bytes sum to {total}, beyond the 2**62 the exact search supports; "
+            "express the statistics in a coarser unit (e.g. KiB)")
+
+
+def _analytic_form(chain, inflight) -> LinearForm:
+    zeros = (0,) * len(chain)
+    return LinearForm(
+        base=tuple(l.state_bytes for l in chain),
+        activation=tuple(l.activation_bytes for l in chain),
+        offset=zeros,
+        transient=tuple(l.transient_bytes for l in chain),
+        multiplier=inflight)
+
+
+def _measured_form(chain, inflight) -> LinearForm:
+    return LinearForm(
+        base=tuple(l.added_bytes for l in chain),
+        activation=tuple(l.activation_bytes for l in chain),
+        offset=tuple(l.isolated_bytes - l.added_bytes for l in chain),
+        transient=(0,) * len(chain),
+        multiplier=tuple(k - 1 for k in inflight))
+
+
+def _bound_form(chain, inflight) -> LinearForm:
+    """sum_l (floor_l + (k_r - 1) * activation_l) <= the true peak of any stage.
+
+    An analytic layer costs state + k * activation = (state + activation) +
+    (k - 1) * activation; a measured one costs at least min(isolated, added)
+    on top of its (k - 1) activations in a measured stage, and its analytic
+    figure otherwise.
+    """
+    def floor(layer):
+        analytic = layer.state_bytes + layer.activation_bytes
+        if layer.is_measured:
+            return min(analytic, layer.isolated_bytes, layer.added_bytes)
+        return analytic
+
+    zeros = (0,) * len(chain)
+    return LinearForm(
+        base=tuple(floor(l) for l in chain),
+        activation=tuple(l.activation_bytes for l in chain),
+        offset=zeros, transient=zeros,
+        multiplier=tuple(k - 1 for k in inflight))
+
+
+def _prefix(values) -> np.ndarray:
+    out = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(values, dtype=np.int64), out=out[1:])
+    return out
+
+
+def _prefix_arrays(chain, inflight) -> dict:
+    arrays = {
+        "inflight": np.asarray(inflight, dtype=np.int64),
+        "state": _prefix([l.state_bytes for l in chain]),
+        "act": _prefix([l.activation_bytes for l in chain]),
+        "measured": None,
+    }
+    arrays.update(_sparse_table([l.transient_bytes for l in chain]))
+    if any(l.is_measured for l in chain):
+        arrays["measured"] = _prefix([int(l.is_measured) for l in chain])
+        arrays["iso"] = np.asarray([l.isolated_bytes or 0 for l in chain] + [0], dtype=np.int64)
+        arrays["added"] = _prefix([l.added_bytes or 0 for l in chain])
+    return arrays
+
+
+def _sparse_table(values) -> dict:
+    """Range-maximum table: row q holds max(values[i : i + 2**q])."""
+    base = np.asarray(values, dtype=np.int64)
+    if not base.any():
+        return {"sparse": None}
+    rows = [base]
+    while (2 << (len(rows) - 1)) <= len(base):
+        half = 1 << (len(rows) - 1)
+        prev = rows[-1]
+        row = np.zeros_like(base)
+        row[: len(base) - 2 * half + 1] = np.maximum(prev[: len(base) - 2 * half + 1],
+                                                     prev[half: len(base) - half + 1])
+        rows.append(row)
+    log2 = np.zeros(len(base) + 1, dtype=np.int64)
+    log2[1:] = np.frexp(np.arange(1, len(base) + 1))[1] - 1  # floor(log2(length))
+    return {"sparse": np.stack(rows), "log2": log2}
+
+
+def _range_max(arrays: dict, start: np.ndarray, stop: np.ndarray):
+    table = arrays["sparse"]
+    if table is None:
+        return 0
+    level = arrays["log2"][stop - start]
+    return np.maximum(table[level, start], table[level, stop - np.left_shift(1, level)])

@@ -1,0 +1,277 @@
+"""``plan_graph`` and ``plan_model``: pick a mesh shape and layouts for a training step.
+
+This module owns the outer loop: which mesh shapes to try (every ordered
+factorization of the device count, or the one the user fixed), which method
+solves each axis (Tofu's DP, the ILP, or a baseline restriction of the same
+problem), the memory budget (a Lagrange multiplier bisected until the exact
+liveness peak fits), and turning the winner into a ``Plan``. It never prices
+anything itself: ``tofu_tf.cost.evaluate`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+from tofu_tf import ir
+from tofu_tf.cost.evaluate import StepCost, producer_splits, step_cost
+from tofu_tf.cost.hardware import H100_NVLINK, HardwareProfile, profile
+from tofu_tf.cost.memory import Liveness
+from tofu_tf.mesh import MeshSpec, ordered_factorizations
+from tofu_tf.plan import CommCost, Method, Objective, Plan, format_bytes
+from tofu_tf.search import baselines, tofu_dp
+from tofu_tf.search.coarsen import AxisDecision, AxisProblem, GraphIndex, ProblemBuilder, StrategyProvider
+
+_MEMORY_LAMBDA = 1.0        # seconds per byte: memory dominates any communication time
+_BISECTION_STEPS = 8
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan the search can build fits the per-device memory budget."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    mesh: MeshSpec
+    decisions: tuple[AxisDecision, ...]
+    cost: StepCost
+    exact: bool
+
+    def key(self, objective: Objective) -> tuple:
+        if objective is Objective.MEMORY:
+            return (self.cost.memory.peak_bytes, self.cost.comm_seconds)
+        return (self.cost.comm_seconds, self.cost.memory.peak_bytes)
+
+
+AxisSolver = Callable[[AxisProblem, float], tofu_dp.AxisSolution]
+
+
+def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | None = None,
+               method: str | Method = "tofu", hardware: HardwareProfile | str = H100_NVLINK,
+               mesh_shape=None, objective: str | Objective = Objective.COMM,
+               strategy_provider: StrategyProvider | None = None, time_limit_s: float = 60.0,
+               max_states: int = tofu_dp.DEFAULT_MAX_STATES) -> Plan:
+    """Plan ``graph`` for ``num_devices`` devices.
+
+    ``method``: "tofu" (recursive DP), "ilp" (the same problems as integer
+    programs, HiGHS, ``time_limit_s`` per axis), "data_parallel" or "megatron".
+    ``memory_budget_bytes`` defaults to the hardware's device memory.
+    ``mesh_shape`` fixes the mesh (dict name -> size, or a tuple of sizes).
+    """
+    start = time.perf_counter()
+    method, objective, hardware = Method(method), Objective(objective), profile(hardware)
+    budget = hardware.memory_bytes if memory_budget_bytes is None else int(memory_budget_bytes)
+    provider = strategy_provider or _default_provider()
+    index = GraphIndex(graph, provider)
+    liveness = Liveness(graph)
+    meshes, restrict = _meshes_and_restriction(method, index, num_devices, mesh_shape)
+    solver = _solver(method, max_states, time_limit_s)
+    search = _Search(index, liveness, hardware, solver, restrict)
+    if method in (Method.DATA_PARALLEL, Method.MEGATRON):
+        best = min((search.solve(m, 0.0) for m in meshes), key=lambda c: c.key(objective))  # fixed patterns
+    else:
+        best = search.best_under_budget(meshes, budget, objective)
+    return _to_plan(best, graph, method, objective, hardware, memory_budget_bytes,
+                    time.perf_counter() - start, search)
+
+
+def plan_model(model, *, num_devices: int, batch_size: int, loss="sparse_categorical_crossentropy",
+               optimizer="adam", memory_budget_bytes: int | None = None, method: str | Method = "tofu",
+               **kwargs) -> Plan:
+    """Capture ``model``'s training step (TF, imported here) and plan it with ``plan_graph``."""
+    from tofu_tf.tf.capture import capture_training_step  # lazy: the planner core is TF-free
+    graph = capture_training_step(model, batch_size=batch_size, loss=loss, optimizer=optimizer)
+    return plan_graph(graph, num_devices=num_devices, memory_budget_bytes=memory_budget_bytes,
+                      method=method, **kwargs)
+
+
+def _default_provider() -> StrategyProvider:
+    try:
+        from tofu_tf.semantics import strategies
+    except ImportError as error:
+        raise ImportError(
+            "tofu_tf.semantics.strategies is not available; pass strategy_provider=... to plan_graph") from error
+    return strategies
+
+
+def _meshes_and_restriction(method: Method, index: GraphIndex, n: int, mesh_shape):
+    if method is Method.DATA_PARALLEL:
+        return [MeshSpec((("batch", n),))], baselines.data_parallel_restriction(index, n)
+    if method is Method.MEGATRON:
+        return [MeshSpec((("model", n),))], baselines.megatron_restriction(index, n)
+    if mesh_shape is not None:
+        mesh = MeshSpec.from_user_input(mesh_shape)
+        if mesh.num_devices != n:
+            raise ValueError(f"mesh_shape {mesh.text()} has {mesh.num_devices} devices, not num_devices={n}")
+        return [mesh], None
+    return [MeshSpec(tuple((f"a{i}", s) for i, s in enumerate(sizes))) for sizes in ordered_factorizations(n)], None
+
+
+def _solver(method: Method, max_states: int, time_limit_s: float) -> AxisSolver:
+    if method is Method.ILP:
+        from tofu_tf.search import ilp
+        return lambda problem, lam: ilp.solve_axis(problem, lam, time_limit_s=time_limit_s)
+    return lambda problem, lam: tofu_dp.solve_axis(problem, lam, max_states=max_states)
+
+
+class _Search:
+    """Solves mesh shapes axis by axis, sharing solved prefixes between shapes."""
+
+    def __init__(self, index: GraphIndex, liveness: Liveness, hardware: HardwareProfile,
+                 solver: AxisSolver, restrict):
+        self.index, self.liveness, self.hardware = index, liveness, hardware
+        self.solver, self.restrict = solver, restrict
+        self._prefixes: dict[tuple, tuple[tuple[AxisDecision, ...], bool]] = {}
+        self.solves = 0
+        self.proved = True
+
+    def solve(self, mesh: MeshSpec, lam: float) -> _Candidate:
+        decisions: tuple[AxisDecision, ...] = ()
+        exact = True
+        for k in range(len(mesh.axes)):
+            key = (mesh.sizes[: k + 1], mesh.num_devices, lam)
+            if key not in self._prefixes:
+                link = self.hardware.axis_link(mesh, k)
+                problem = ProblemBuilder(self.index, decisions, mesh.sizes[k], link, self.restrict).build()
+                solution = self.solver(problem, lam)
+                self.solves += 1
+                self._prefixes[key] = (decisions + (_decision(problem, solution, mesh.sizes[k]),),
+                                       exact and solution.exact)
+            decisions, exact = self._prefixes[key]
+        op_strategies, var_splits = _merge(decisions)
+        cost = step_cost(self.index.graph, mesh, self.hardware, op_strategies, var_splits, liveness=self.liveness)
+        self.proved = self.proved and exact
+        return _Candidate(mesh, decisions, cost, exact)
+
+    def best_under_budget(self, meshes: Sequence[MeshSpec], budget: int, objective: Objective) -> _Candidate:
+        first_lam = _MEMORY_LAMBDA if objective is Objective.MEMORY else 0.0
+        fitting = self._fitting([self.solve(m, first_lam) for m in meshes], budget)
+        if fitting or objective is Objective.MEMORY:
+            return self._pick(fitting, budget, objective, meshes)
+        leanest = [self.solve(m, _MEMORY_LAMBDA) for m in meshes]
+        if not self._fitting(leanest, budget):
+            self._raise_infeasible(leanest, budget)
+        return self._pick(self._fitting(leanest, budget) + self._bisect(meshes, budget), budget, objective, meshes)
+
+    def _bisect(self, meshes, budget) -> list[_Candidate]:
+        """Lagrangian search: the smallest multiplier (least communication) that still fits."""
+        found: list[_Candidate] = []
+        lo, hi = 1e-16, _MEMORY_LAMBDA
+        for _ in range(_BISECTION_STEPS * 2):
+            mid = (lo * hi) ** 0.5
+            fits = self._fitting([self.solve(m, mid) for m in meshes], budget)
+            found += fits
+            lo, hi = (lo, mid) if fits else (mid, hi)
+            if hi / lo < 1.5:
+                break
+        return found
+
+    @staticmethod
+    def _fitting(candidates, budget) -> list[_Candidate]:
+        return [c for c in candidates if c.cost.memory.peak_bytes <= budget]
+
+    def _pick(self, fitting, budget, objective, meshes) -> _Candidate:
+        if not fitting:
+            self._raise_infeasible([self.solve(m, _MEMORY_LAMBDA) for m in meshes], budget)
+        return min(fitting, key=lambda c: c.key(objective))
+
+    @staticmethod
+    def _raise_infeasible(leanest: Sequence[_Candidate], budget: int) -> None:
+        best = min(leanest, key=lambda c: c.cost.memory.peak_bytes)
+        memory = best.cost.memory
+        top = ", ".join(f"{name} {format_bytes(size)}" for name, size in memory.top_contributors[:5])
+        raise InfeasibleBudgetError(
+            f"no plan fits the memory budget of {format_bytes(budget)} per device: the best achievable "
+            f"peak is {format_bytes(memory.peak_bytes)} (mesh {best.mesh.text()}; weights "
+            f"{format_bytes(memory.weight_bytes)}, optimizer slots {format_bytes(memory.optimizer_slot_bytes)}, "
+            f"gradients {format_bytes(memory.gradient_bytes_at_peak)}, activations "
+            f"{format_bytes(memory.activation_bytes_at_peak)}). Largest contributors: {top}. "
+            "Use more devices, a smaller batch, or a larger budget.")
+
+
+def _decision(problem: AxisProblem, solution: tofu_dp.AxisSolution, size: int) -> AxisDecision:
+    strategies, var_splits = {}, {}
+    for node, option_index in zip(problem.nodes, solution.choice):
+        option = node.options[option_index]
+        strategies.update(option.strategies)
+        var_splits.update(option.var_splits)
+    return AxisDecision(size, strategies, var_splits)
+
+
+def _merge(decisions: Sequence[AxisDecision]):
+    op_strategies = {name: tuple(d.op_strategies[name] for d in decisions) for name in decisions[0].op_strategies} \
+        if decisions else {}
+    var_splits = {path: tuple(d.var_splits[path] for d in decisions) for path in decisions[0].var_splits} \
+        if decisions else {}
+    return op_strategies, var_splits
+
+
+# -- the Plan ------------------------------------------------------------------
+
+def _axis_names(candidate: _Candidate, index: GraphIndex, method: Method) -> tuple[str, ...]:
+    if method in (Method.DATA_PARALLEL, Method.MEGATRON):
+        return candidate.mesh.names
+    names, models = [], 0
+    for decision in candidate.decisions:
+        batch = index.input_ops and all(decision.op_strategies[i].outputs[0].dim == 0 for i in index.input_ops)
+        if batch and "batch" not in names:
+            names.append("batch")
+        else:
+            names.append("model" if models == 0 else f"model{models}")
+            models += 1
+    return tuple(names)
+
+
+def _layout(splits, names, rank) -> tuple:
+    layout = [None] * rank
+    for split, name in zip(splits, names):
+        if split.dim is not None:
+            layout[split.dim] = name
+    return tuple(layout)
+
+
+def _to_plan(best: _Candidate, graph: ir.Graph, method: Method, objective: Objective,
+             hardware: HardwareProfile, budget, seconds: float, search: _Search) -> Plan:
+    names = _axis_names(best, search.index, method)
+    op_strategies, var_splits = _merge(best.decisions)
+    produced = producer_splits(graph, op_strategies, len(names))
+    tensor_layouts, partial = {}, {}
+    for name, tensor in graph.tensors.items():
+        if tensor.role is ir.Role.RESOURCE or ir.dtype_size(tensor.dtype) == 0:
+            continue
+        tensor_layouts[name] = _layout(produced[name], names, tensor.rank)
+        axes = tuple(n for s, n in zip(produced[name], names) if s.partial is not None)
+        if axes:
+            partial[name] = axes
+    variable_layouts = {path: _layout(var_splits.get(path, ()), names, len(var.shape))
+                        for path, var in graph.variables.items()}
+    inputs = {graph.ops[search.index.position[i]].outputs[0]: tensor_layouts[graph.ops[search.index.position[i]].outputs[0]]
+              for i in search.index.input_ops}
+    cost = best.cost
+    return Plan(
+        method=method, mesh_axes=tuple(zip(names, best.mesh.sizes)),
+        variable_layouts=variable_layouts, input_layouts=inputs, tensor_layouts=tensor_layouts,
+        partial_tensors=partial,
+        op_strategies={op: tuple(s.name for s in strategies) for op, strategies in op_strategies.items()},
+        comm_by_collective={k: CommCost(*v) for k, v in cost.by_collective.items()},
+        comm_by_layer={k: CommCost(*v) for k, v in cost.by_layer.items()},
+        memory=cost.memory, search_seconds=seconds, hardware=hardware.name, objective=objective,
+        memory_budget_bytes=budget, proved_optimal=(best.exact if method is Method.ILP else None),
+        notes=_notes(graph, best.mesh, variable_layouts))
+
+
+def _notes(graph: ir.Graph, mesh: MeshSpec, variable_layouts) -> tuple[str, ...]:
+    """Variables no mesh axis could split because no dim divides (DTensor needs even division)."""
+    notes = []
+    for path, layout in variable_layouts.items():
+        shape = graph.variables[path].shape
+        if not shape or any(a is not None for a in layout):
+            continue
+        for name, size in mesh.axes:
+            if size > 1 and all(d % size for d in shape):
+                notes.append(f"{path} {tuple(shape)}: no dim divides mesh axis size {size}; kept replicated")
+                break
+    if len(notes) > 20:
+        notes = notes[:20] + [f"... and {len(notes) - 20} more such variables"]
+    return tuple(notes)
