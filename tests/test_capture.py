@@ -162,3 +162,11 @@ def test_conflicting_fixed_batch_size_is_rejected():
 def test_bad_batch_size_is_rejected():
     with pytest.raises(ValueError, match="positive int"):
         tofu_tf.capture_training_step(models.mlp(), batch_size=0, loss="mse", optimizer="sgd")
+
+
+def test_every_op_input_is_a_known_tensor(captured):
+    """Handles of variables outside model/optimizer lists (a learning-rate variable) are tensors too."""
+    _, _, graph = captured
+    for op in graph.ops:
+        for name in op.inputs:
+            assert name in graph.tensors, (op.name, name)

@@ -196,8 +196,13 @@ class _Translator:
         return ir.Graph(ops=tuple(self._ops), tensors=tensors, variables=variables)
 
     def _link_captured_handles(self, graph) -> None:
+        """Name every captured handle: by its variable's path, or, for a handle
+        of a variable capture did not collect (e.g. a learning-rate variable an
+        optimizer keeps outside ``optimizer.variables``), by ``captured/<name>``."""
         for external, internal in graph.captures:
             path = self._traced.handle_paths.get(id(external))
+            if path is None and internal.dtype == tf.resource:
+                path = f"captured/{internal.op.name}"
             if path is not None:
                 self._handle_paths[internal.name] = path
 
@@ -271,7 +276,7 @@ class _Translator:
             return ir.Role.INPUT
         if dtype == "resource":
             return ir.Role.RESOURCE
-        if variable is not None:
+        if variable is not None and variable in self._traced.variables:
             kind = self._traced.variables[variable].kind
             return {ir.VariableKind.WEIGHT: ir.Role.WEIGHT,
                     ir.VariableKind.OPTIMIZER_SLOT: ir.Role.OPTIMIZER_SLOT}.get(kind, ir.Role.SCALAR)
@@ -360,6 +365,11 @@ def _attr_value(attr):
     if kind == "func":
         return attr.func.name
     if kind == "tensor":
+        elements = 1
+        for dim in attr.tensor.tensor_shape.dim:
+            elements *= max(dim.size, 0)
+        if elements > _CONST_MAX_ELEMENTS:
+            return None  # never decode a large constant: it is data, not a semantic attribute
         return _small_tensor_value(tf.make_ndarray(attr.tensor))
     return None
 
