@@ -8,6 +8,7 @@ from tensorflow.experimental import dtensor
 
 from strategies import TofuStrategy
 from tests import strategy_helpers as h
+from tofu_tf import models
 from tofu_tf.tf import variables as variables_lib
 
 # Megatron-style hand layouts on a forced (batch=2, model=4) mesh: the lowering
@@ -95,10 +96,105 @@ def test_evaluate_and_predict_match_one_device(trained_on_hand_plan):
 
 
 def test_variables_are_deferred_until_planned():
-    strategy = TofuStrategy(8, mesh_shape={"batch": 2, "model": 4},
-                            plan=None) if False else TofuStrategy(8)
+    strategy = TofuStrategy(8)
     with strategy.scope():
         model = h.build("mlp")
     assert all(isinstance(v, variables_lib.DeferredVariable) for v in model.weights)
     with pytest.raises(variables_lib.DeferredVariableError, match="no value yet.*plan_model"):
         model.weights[0].numpy()
+
+
+@pytest.fixture(scope="module", params=sorted(h.MODELS))
+def trained_on_planner_plan(request):
+    """The planner picks the mesh and the layouts; nothing is written by hand."""
+    name = request.param
+    initial, expected, expected_loss, (x, y) = h.reference_run(name)
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = h.build(name)
+        h.compile_model(model)
+    strategy.plan_model(model, batch_size=h.BATCH)
+    model.set_weights(initial)
+    history = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0)
+    return name, strategy, model, expected, expected_loss, history.history["loss"]
+
+
+def test_planner_plan_matches_one_device(trained_on_planner_plan):
+    name, strategy, model, expected, expected_loss, loss = trained_on_planner_plan
+    assert int(np.prod(list(strategy.plan.mesh_shape.values()))) == 8
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    for variable, want in zip(model.weights, expected):
+        np.testing.assert_allclose(variable.numpy(), want, rtol=1e-5, atol=1e-6, err_msg=f"{name}: {variable.name}")
+
+
+def test_planner_layouts_are_the_variables_layouts(trained_on_planner_plan):
+    _, strategy, model, *_ = trained_on_planner_plan
+    for variable in model.weights:
+        planned = strategy.plan.variable_layouts.get(variable.name[:-2])
+        if planned is not None:
+            actual = tuple(None if a == dtensor.UNSHARDED else a for a in variable.layout.sharding_specs)
+            assert actual == tuple(planned), variable.name
+
+
+def test_adam_steps_match_one_device():
+    """Adam writes two slots and reads them back in one step."""
+    initial, expected, expected_loss, (x, y) = h.reference_run("mlp", keras.optimizers.Adam(0.01))
+    strategy = TofuStrategy(8, plan=hand_plan("mlp"))
+    with strategy.scope():
+        model = h.build("mlp")
+        h.compile_model(model, keras.optimizers.Adam(0.01))
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    for variable, want in zip(model.weights, expected):
+        np.testing.assert_allclose(variable.numpy(), want, rtol=1e-4, atol=1e-6, err_msg=variable.name)
+
+
+def test_tf_data_callbacks_and_checkpoints(tmp_path):
+    """tf.data input, ModelCheckpoint/EarlyStopping, save/load of weights and checkpoints."""
+    strategy = TofuStrategy(8, plan=hand_plan("mlp"))
+    with strategy.scope():
+        model = h.build("mlp")
+        h.compile_model(model)
+    x, y = h.data_for(model)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(h.BATCH, drop_remainder=True)
+    callbacks = [keras.callbacks.ModelCheckpoint(str(tmp_path / "ckpt_{epoch}"), save_weights_only=True),
+                 keras.callbacks.EarlyStopping(monitor="loss", patience=5)]
+    model.fit(dataset, epochs=2, verbose=0, callbacks=callbacks)
+    assert (tmp_path / "ckpt_2.index").exists()
+    trained = model.get_weights()
+
+    model.save_weights(str(tmp_path / "weights.h5"))
+    plain = h.build("mlp")
+    plain.load_weights(str(tmp_path / "weights.h5"))
+    for got, want in zip(plain.get_weights(), trained):
+        np.testing.assert_array_equal(got, want)
+
+    checkpoint = tf.train.Checkpoint(model=model)
+    path = checkpoint.save(str(tmp_path / "tf_ckpt"))
+    model.set_weights([np.zeros_like(w) for w in trained])
+    checkpoint.restore(path)
+    for got, want in zip(model.get_weights(), trained):
+        np.testing.assert_array_equal(got, want)
+
+    model.save(str(tmp_path / "model.keras"))
+    restored = keras.models.load_model(str(tmp_path / "model.keras"))
+    for got, want in zip(restored.get_weights(), trained):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_fixed_input_batch_size_trains():
+    """keras.Input(batch_size=...) is the global batch (TF's own DTensor strategy fails here)."""
+    strategy = TofuStrategy(8, plan=hand_plan("mlp"))
+    with strategy.scope():
+        model = models.mlp(width=32, depth=2, batch_size=h.BATCH)
+        h.compile_model(model)
+    x, y = h.data_for(model)
+    history = model.fit(x, y, batch_size=h.BATCH, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_too_late_for_virtual_devices_names_the_fix():
+    from tofu_tf.tf import devices
+    with pytest.raises(devices.DeviceSetupError, match="before running any TensorFlow op"):
+        devices.configure_virtual_cpus(16)
