@@ -28,8 +28,8 @@ from tofu_tf.search.legality import check_plan  # noqa: E402
 MODELS = {
     "mlp": ("MLP 4x4096", 256, lambda m: m.mlp(input_dim=4096, width=4096, depth=4, num_classes=1000)),
     "wrn": ("WResNet-28-10", 128, lambda m: m.wide_resnet(depth=28, width=10, image_size=32)),
-    "lstm": ("LSTM 8x4096", 128, lambda m: m.rnn(num_layers=8, hidden=4096, seq_len=32, input_dim=4096,
-                                                 num_classes=1000)),
+    "lstm": ("LSTM 4x1024 T16", 128, lambda m: m.rnn(num_layers=4, hidden=1024, seq_len=16, input_dim=1024,
+                                                     num_classes=1000, unroll=True)),
     "gpt12": ("GPT 12L d1024", 64, lambda m: m.gpt(num_layers=12, d_model=1024, num_heads=16, seq_len=512,
                                                    vocab_size=32768)),
     "gpt48": ("GPT 48L d1024", 64, lambda m: m.gpt(num_layers=48, d_model=1024, num_heads=16, seq_len=512,

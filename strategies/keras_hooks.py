@@ -177,10 +177,15 @@ def _mean_pool_2d(layer, inputs):
 
 
 def _unroll(layer) -> None:
-    timesteps = layer.input_spec[0].shape[1] if layer.input_spec and layer.input_spec[0].shape else None
-    if timesteps is None:
-        inputs = getattr(layer, "input", None)
-        timesteps = inputs.shape[1] if inputs is not None else None
+    timesteps = None
+    try:
+        inputs = layer.input  # the symbolic input of a functional model's layer
+        timesteps = inputs.shape[1]
+    except (AttributeError, ValueError):
+        spec = layer.input_spec
+        spec = spec[0] if isinstance(spec, (list, tuple)) else spec
+        if spec is not None and getattr(spec, "shape", None):
+            timesteps = spec.shape[1]
     if timesteps is None:
         raise ValueError(
             f"recurrent layer {layer.name!r} has no static sequence length, so TofuStrategy cannot "
@@ -188,3 +193,47 @@ def _unroll(layer) -> None:
     layer.unroll = True
     if hasattr(layer, "_could_use_gpu_kernel"):
         layer._could_use_gpu_kernel = False  # pylint: disable=protected-access
+
+
+def is_keras3(model) -> bool:
+    return not any(base.__module__.startswith("tf_keras") for base in type(model).__mro__)
+
+
+class StepwiseDataset:
+    """A distributed dataset Keras 3 iterates step by step, in Python.
+
+    Keras 3 runs a ``tf.data.Iterator`` through ``get_next_as_optional`` inside
+    its train function, and DTensor cannot expand ``OptionalFromValue``. Given
+    any other iterable, Keras 3 feeds each batch to its step function itself;
+    the batches are still DTensors in the planned batch layout.
+    """
+
+    def __init__(self, distributed, batches: int):
+        self._distributed = distributed
+        self._batches = batches
+
+    def __iter__(self):
+        return _StepwiseIterator(iter(self._distributed))
+
+    def __len__(self):
+        if self._batches < 0:
+            raise TypeError("the number of batches is unknown")
+        return self._batches
+
+    @property
+    def element_spec(self):
+        return self._distributed.element_spec
+
+
+class _StepwiseIterator:
+    def __init__(self, iterator):
+        self._iterator = iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._iterator)
+        except tf.errors.OutOfRangeError as error:
+            raise StopIteration from error

@@ -195,18 +195,27 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         dtype = kwargs.pop("dtype", None)
         shape = _initial_shape(initial_value, kwargs.pop("shape", None))
         dtype = tf.as_dtype(dtype) if dtype is not None else _initial_dtype(initial_value)
+        path = _scoped_path(kwargs.get("name"))
         if self._lowered is None:
             variable = variables_lib.DeferredVariable(
                 initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
                 trainable=kwargs.get("trainable", True), extra_kwargs=kwargs,
                 on_eager_use=self._materialize_early)
+            variable._tofu_path = path  # pylint: disable=protected-access
             self._deferred.append(variable)
             return variable
         with tf.init_scope():
             deferred = variables_lib.DeferredVariable(
                 initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
                 trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
+            deferred._tofu_path = path  # pylint: disable=protected-access
             return variables_lib.materialize(deferred, self._layout_of(deferred))
+
+    def _default_device_scope(self):
+        # No default mesh: Keras 3 computes initial values itself under the
+        # scope, with plain ops that must run as ordinary tensors; every
+        # variable and step input is put on the mesh explicitly instead.
+        return None
 
     def variable_created_in_scope(self, v):
         return isinstance(v, (variables_lib.TofuVariable, variables_lib.DeferredVariable))
@@ -269,6 +278,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             dataset_already_batched=False, batch_dim=self._lowered.batch_axis, prefetch=None,
             tf_data_service_config=None)
         distributed._tofu_batches = batches  # pylint: disable=protected-access
+        if model is not None and keras_hooks.is_keras3(model):
+            return keras_hooks.StepwiseDataset(distributed, batches)
         return distributed
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
@@ -384,8 +395,22 @@ def _as_distributed_value(value):
 
 
 def keras_path(variable) -> str:
+    """The Keras path of a variable this strategy created (``dense/kernel``;
+    Keras 3 adds the model: ``sequential/dense/kernel``)."""
+    path = getattr(variable, "_tofu_path", None)
+    if path:
+        return path
     name = variable.name
     return name[:-2] if name.endswith(":0") else name
+
+
+def _scoped_path(name) -> str:
+    """The path a variable is being created under: the current name scope + its name."""
+    name = (name or "Variable").split(":")[0]
+    scope = tf.get_current_name_scope()
+    if scope and not name.startswith(scope + "/"):
+        return f"{scope}/{name}"
+    return name
 
 
 def _plan_path(path: str, plan, shape) -> str:

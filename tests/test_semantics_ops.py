@@ -350,6 +350,10 @@ def reduce(d: Draw, op_type: str) -> Case:
     x = d.bools(shape) if op_type in ("Any", "All") else d.floats(shape, 0.8, 1.2)
     if op_type == "L2Loss":
         return Case(op_type, (x,), num_parts=d.parts())
+    if op_type == "Cumsum":
+        shape = shape or (4,)
+        return Case(op_type, (d.floats(shape), np.array(_random_axis(d, len(shape)), np.int32)),
+                    {"exclusive": d.bool(), "reverse": d.bool()}, num_parts=d.parts())
     if op_type in ("ArgMax", "ArgMin"):
         shape = shape or (4,)
         axis = d.int(-len(shape), len(shape) - 1)
@@ -652,13 +656,15 @@ def variable(d: Draw, op_type: str) -> Case:
     if op_type == "VarHandleOp":
         return Case(op_type, (), {"dtype": "float32", "shape": shape}, check=Check.SHAPES,
                     output_shapes=((shape, "resource"),), num_parts=d.parts())
-    if op_type in ("ReadVariableOp", "VarIsInitializedOp"):
+    if op_type in ("ReadVariableOp", "VarIsInitializedOp", "VariableShape"):
         return Case(op_type, (var,), {"dtype": "float32"}, variables=frozenset({0}), num_parts=d.parts())
     return Case(op_type, (var, d.floats(shape)), {"dtype": "float32"}, variables=frozenset({0}),
                 num_parts=d.parts())
 
 
 def shape_op(d: Draw, op_type: str) -> Case:
+    if op_type == "StatelessRandomGetKeyCounter":
+        return Case(op_type, (np.array([d.int(0, 9), d.int(0, 9)], np.int32),), num_parts=d.parts())
     if op_type == "BroadcastGradientArgs":
         out = d.shape(0, 4)
         return Case(op_type, (np.array(d.broadcast_variant(out), np.int32),
@@ -676,6 +682,14 @@ def generator(d: Draw, op_type: str) -> Case:
                     output_shapes=((shape, "float32"),), num_parts=d.parts())
     if op_type == "Fill":
         return Case(op_type, (dims, np.array(0.25, F32)), num_parts=d.parts())
+    if op_type == "Range":
+        start, delta = d.int(-3, 3), d.int(1, 3)
+        limit = start + delta * d.pick(DIMS)
+        return Case(op_type, tuple(np.array(v, np.int32) for v in (start, limit, delta)), num_parts=d.parts())
+    if op_type.startswith("Stateless"):
+        key, counter = run_op("StatelessRandomGetKeyCounter", {}, (np.array([1, 2], np.int32),))[0]
+        return Case(op_type, (dims, key, counter, np.array(1, np.int32)), {"dtype": "float32"},
+                    check=Check.DISTRIBUTION, num_parts=d.parts())
     if op_type == "RandomUniformInt":
         return Case(op_type, (dims, np.array(0, np.int32), np.array(5, np.int32)), check=Check.DISTRIBUTION,
                     num_parts=d.parts())
@@ -696,7 +710,7 @@ def _table() -> dict:
     table.update(dict.fromkeys(ew_ops.NARY + ("Select", "IdentityN"), nary))
     table.update(dict.fromkeys(("BiasAdd", "BiasAddV1", "BiasAddGrad"), bias))
     table.update(dict.fromkeys(("Sum", "Mean", "Max", "Min", "Prod", "Any", "All", "EuclideanNorm", "ArgMax",
-                                "ArgMin", "L2Loss"), reduce))
+                                "ArgMin", "L2Loss", "Cumsum"), reduce))
     table.update(dict.fromkeys(("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"), matmul))
     table["Einsum"] = einsum
     table.update(dict.fromkeys(("Conv2D", "Conv3D", "Conv2DBackpropInput", "Conv2DBackpropFilter",
@@ -715,9 +729,10 @@ def _table() -> dict:
                                 "InvertPermutation"), layout))
     table.update(dict.fromkeys(("StridedSlice", "StridedSliceGrad"), strided_slice))
     table.update(dict.fromkeys(("ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
-                                "VarHandleOp", "VarIsInitializedOp"), variable))
-    table.update(dict.fromkeys(("Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"), shape_op))
-    table.update(dict.fromkeys(("Placeholder", "Fill") + state_ops.GENERATORS, generator))
+                                "VarHandleOp", "VarIsInitializedOp", "VariableShape"), variable))
+    table.update(dict.fromkeys(("Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs",
+                                "StatelessRandomGetKeyCounter"), shape_op))
+    table.update(dict.fromkeys(("Placeholder", "Fill", "Range") + state_ops.GENERATORS, generator))
     table.update(dict.fromkeys(state_ops.REPLICATED, replicated))
     return table
 

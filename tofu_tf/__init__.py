@@ -13,6 +13,11 @@ _LAZY = {
     "TofuStrategy": ("strategies.tofu_strategy", "TofuStrategy"),
     "capture_training_step": ("tofu_tf.tf.capture", "capture_training_step"),
     "DynamicShapeError": ("tofu_tf.tf.capture", "DynamicShapeError"),
+    "coverage": ("tofu_tf.semantics", "coverage"),
+    "register_op": ("tofu_tf.semantics", "register_op"),
+    "plan_model": ("tofu_tf.search", "plan_model"),
+    "plan_graph": ("tofu_tf.search", "plan_graph"),
+    "Plan": ("tofu_tf.plan", "Plan"),
 }
 
 

@@ -11,6 +11,10 @@ axes ``< k`` and while the producer's layout still holds on axes ``> k``, so
 its bytes are the tensor's bytes divided by both sets of splits. (The
 recursive search, which does not know later axes yet, prices the same
 conversion without the second division: it can only overestimate.)
+
+The compute term (``tofu_tf.cost.compute``) adds, per decided op, its work
+divided by the devices its strategies split it over; the modeled step time is
+communication seconds plus compute seconds.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Mapping, Sequence
 
 from tofu_tf import ir
 from tofu_tf.cost.collectives import transfer
+from tofu_tf.cost.compute import op_work, split_factor
 from tofu_tf.cost.hardware import HardwareProfile
 from tofu_tf.cost.memory import Liveness, MemoryReport, alias_map
 from tofu_tf.mesh import MeshSpec
@@ -28,13 +33,19 @@ from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, TensorSplit
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    """Communication per step (bytes, seconds; by collective and by layer) and memory."""
+    """Communication per step (bytes, seconds; by collective and by layer), compute
+    seconds per device, and memory."""
 
     comm_bytes: float
     comm_seconds: float
     by_collective: Mapping[str, tuple[float, float]]
     by_layer: Mapping[str, tuple[float, float]]
     memory: MemoryReport
+    compute_seconds: float = 0.0
+
+    @property
+    def step_seconds(self) -> float:
+        return self.comm_seconds + self.compute_seconds
 
 
 def producer_splits(graph: ir.Graph, op_strategies: Mapping[str, Sequence[OpStrategy]],
@@ -59,8 +70,11 @@ def producer_splits(graph: ir.Graph, op_strategies: Mapping[str, Sequence[OpStra
 
 def step_cost(graph: ir.Graph, mesh: MeshSpec, hardware: HardwareProfile,
               op_strategies: Mapping[str, Sequence[OpStrategy]],
-              var_splits: Mapping[str, Sequence[TensorSplit]], *, liveness: Liveness | None = None) -> StepCost:
-    """Price ``op_strategies`` (op -> strategy per mesh axis) on ``mesh``."""
+              var_splits: Mapping[str, Sequence[TensorSplit]], *, liveness: Liveness | None = None,
+              work_seconds: Mapping[str, float] | None = None) -> StepCost:
+    """Price ``op_strategies`` (op -> strategy per mesh axis) on ``mesh``.
+
+    ``work_seconds`` (op -> unsplit compute seconds) may be passed to skip recomputing it."""
     sizes = mesh.sizes
     links = [hardware.axis_link(mesh, k) for k in range(len(sizes))]
     aliases = alias_map(graph)
@@ -90,8 +104,22 @@ def step_cost(graph: ir.Graph, mesh: MeshSpec, hardware: HardwareProfile,
     memory = _memory(graph, sizes, produced, var_splits, liveness or Liveness(graph))
     total_bytes = sum(v[0] for v in by_kind.values())
     total_seconds = sum(v[1] for v in by_kind.values())
+    if work_seconds is None:
+        work_seconds = op_work_seconds(graph, hardware)
+    compute = sum(work_seconds.get(name, 0.0) / split_factor(strategies, sizes)
+                  for name, strategies in op_strategies.items())
     return StepCost(total_bytes, total_seconds, {k: tuple(v) for k, v in by_kind.items()},
-                    {k: tuple(v) for k, v in by_layer.items()}, memory)
+                    {k: tuple(v) for k, v in by_layer.items()}, memory, compute)
+
+
+def op_work_seconds(graph: ir.Graph, hardware: HardwareProfile) -> dict[str, float]:
+    """Per op with any work, its compute seconds on one device when not split."""
+    out = {}
+    for op in graph.ops:
+        seconds = op_work(op, graph).seconds(hardware)
+        if seconds:
+            out[op.name] = seconds
+    return out
 
 
 def _split_factor(splits: Sequence[TensorSplit], sizes: Sequence[int]) -> int:

@@ -1,4 +1,5 @@
-"""Hardware profiles: what a byte costs to move on each mesh axis.
+"""Hardware profiles: what a byte costs to move on each mesh axis, and what a
+FLOP or a byte touched costs on one device.
 
 A profile describes one node kind (devices per node, device memory) and two
 link classes: inside a node (NVLink, PCIe, shared memory) and between nodes
@@ -6,7 +7,9 @@ link classes: inside a node (NVLink, PCIe, shared memory) and between nodes
 device groups lies inside one node, else the inter-node link; devices are
 numbered row-major over the mesh (the last axis varies fastest), as DTensor's
 ``create_mesh`` does. Numbers are per device, one direction, as a ring
-collective sees them. Users pass their own ``HardwareProfile``.
+collective sees them. ``flops`` (FLOP/s of one device on the step's dtype,
+sustained on large contractions) and ``memory_bandwidth`` (bytes/s) price the
+compute term (``tofu_tf.cost.compute``). Users pass their own ``HardwareProfile``.
 """
 
 from __future__ import annotations
@@ -34,13 +37,20 @@ class Link:
 @dataclasses.dataclass(frozen=True)
 class HardwareProfile:
     """A node kind: ``devices_per_node`` devices of ``memory_bytes`` each, joined by
-    ``intra_node`` links, nodes joined by ``inter_node`` links."""
+    ``intra_node`` links, nodes joined by ``inter_node`` links; each device runs
+    ``flops`` FLOP/s on contractions and touches ``memory_bandwidth`` bytes/s."""
 
     name: str
     devices_per_node: int
     memory_bytes: int
     intra_node: Link
     inter_node: Link
+    flops: float = 100e12
+    memory_bandwidth: float = 2e12
+
+    def __post_init__(self):
+        if self.flops <= 0 or self.memory_bandwidth <= 0:
+            raise ValueError(f"profile {self.name!r} needs flops > 0 and memory_bandwidth > 0")
 
     def axis_link(self, mesh: MeshSpec, axis_index: int) -> Link:
         """The link a collective over ``mesh``'s axis ``axis_index`` runs on."""
@@ -56,16 +66,21 @@ class HardwareProfile:
 H100_NVLINK = HardwareProfile(
     "h100-nvlink", devices_per_node=8, memory_bytes=80 * GIB,
     intra_node=Link(bandwidth=450 * GB, latency=5e-6),     # NVLink 4: 900 GB/s bidirectional
-    inter_node=Link(bandwidth=50 * GB, latency=10e-6))     # 400 Gb/s InfiniBand per GPU
-H200_NVLINK = dataclasses.replace(H100_NVLINK, name="h200-nvlink", memory_bytes=141 * GB)
+    inter_node=Link(bandwidth=50 * GB, latency=10e-6),     # 400 Gb/s InfiniBand per GPU
+    flops=400e12,                                           # TF32 tensor cores, ~80% of 495 dense
+    memory_bandwidth=3.35e12)                               # HBM3
+H200_NVLINK = dataclasses.replace(H100_NVLINK, name="h200-nvlink", memory_bytes=141 * GB,
+                                  memory_bandwidth=4.8e12)  # HBM3e
 PCIE_GPU = HardwareProfile(
     "pcie-gpu", devices_per_node=8, memory_bytes=24 * GIB,
     intra_node=Link(bandwidth=25 * GB, latency=10e-6),     # PCIe 4.0 x16, effective
-    inter_node=Link(bandwidth=12.5 * GB, latency=20e-6))   # 100 Gb/s Ethernet/IB
+    inter_node=Link(bandwidth=12.5 * GB, latency=20e-6),   # 100 Gb/s Ethernet/IB
+    flops=50e12, memory_bandwidth=600 * GB)                 # a 24 GiB PCIe card (A10/L4 class), TF32
 CPU_VIRTUAL = HardwareProfile(
     "cpu-virtual", devices_per_node=1024, memory_bytes=3 * GIB,
     intra_node=Link(bandwidth=10 * GB, latency=50e-6),     # memcpy between virtual CPU devices
-    inter_node=Link(bandwidth=1.25 * GB, latency=100e-6))  # loopback gRPC between processes
+    inter_node=Link(bandwidth=1.25 * GB, latency=100e-6),  # loopback gRPC between processes
+    flops=20e9, memory_bandwidth=5 * GB)                    # a share of a few host cores per virtual device
 
 PROFILES = {p.name: p for p in (H100_NVLINK, H200_NVLINK, PCIE_GPU, CPU_VIRTUAL)}
 

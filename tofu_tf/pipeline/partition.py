@@ -418,14 +418,15 @@ def _right_greedy(form: LinearForm, piece: _Piece, bound: int) -> _Probe:
         if cost > bound and cost < next_bound:
             next_bound = cost
         while s > cap:
-            total_ = total + base[s - 1] + k * act[s - 1]
-            top_ = top if top >= transient[s - 1] else transient[s - 1]
-            cost_ = total_ + offset[s - 1] + top_
-            if cost_ > bound:
-                if cost_ < next_bound:
-                    next_bound = cost_
+            prev = s - 1
+            grown = total + base[prev] + k * act[prev]
+            tallest = transient[prev] if transient[prev] > top else top
+            wider = grown + offset[prev] + tallest
+            if wider > bound:
+                if wider < next_bound:
+                    next_bound = wider
                 break
-            s, total, top, cost = s - 1, total_, top_, cost_
+            s, total, top, cost = prev, grown, tallest, wider
         starts[b] = stop = s
         if cost > peak:
             peak = cost
@@ -503,12 +504,10 @@ def _bisect(form: LinearForm, piece: _Piece, lower: int,
     Guesses: a failed probe leaves the first stage ``excess`` over the bound,
     and raising the bound by d lets each of the other stages absorb about d,
     so the root of the excess is extrapolated (secant of the last two
-    failures). A failure that jumps the lower limit to the next event is
-    followed by a probe at that event, which often is the answer. Whenever
-    the bracket fails to halve, the next guess halves it.
+    failures). Whenever the bracket fails to halve, the next guess halves it.
     """
     upper, found, fails, probes = None, [], [], 0
-    guess, width, at_event = max(lower, _fluid_estimate(form, piece)), None, False
+    guess, width = max(lower, _fluid_estimate(form, piece)), None
     while max_probes is None or probes < max_probes:
         probe = _right_greedy(form, piece, guess)
         probes += 1
@@ -520,11 +519,7 @@ def _bisect(form: LinearForm, piece: _Piece, lower: int,
             fails = [*fails[-1:], (guess, probe.excess)]
         if upper is not None and lower >= upper:
             break
-        if upper is not None and not probe.ok and not at_event and lower > guess + 1:
-            guess, at_event = lower, True
-            continue
         guess, width = _next_guess(lower, upper, fails, width, piece.stages)
-        at_event = False
     if upper is None:  # only reachable with a probe budget
         probe = _right_greedy(form, piece, _INF - 1)
         upper, found = probe.peak, [probe.starts]
@@ -562,14 +557,15 @@ def _next_guess(lower: int, upper: int | None, fails: list[tuple[int, int]], wid
 def _lex_dp(model: StageCostModel, piece: _Piece, lo: list[int], hi: list[int],
             bound: int) -> list[int]:
     """Lexicographically optimal starts of the piece's stages, boundaries within [lo, hi]."""
-    keys: list[tuple | None] = [()]
+    layer = _Layer(keys=[()], tops=[0])
     parents: list[list[int]] = []
     for b, costs in enumerate(_cost_blocks(model, piece, lo, hi)):
-        if sum(key is not None for key in keys) == 1:
-            keys = [None if key is None else () for key in keys]
-        keys, chosen = _dp_step(keys, lo[b], lo[b + 1], costs, bound)
+        if sum(top < _INF for top in layer.tops) == 1:
+            layer = layer.restarted()
+        step = _dp_step_small if costs.size <= _SMALL_BLOCK else _dp_step_large
+        layer, chosen = step(layer, lo[b], lo[b + 1], costs, bound)
         parents.append(chosen)
-    if keys[-1] is None:
+    if layer.tops[-1] >= _INF:
         raise RuntimeError(f"internal error: no partition within bound {bound}")
     starts, at = [], piece.stop
     for b in range(piece.stages, 0, -1):
@@ -578,23 +574,18 @@ def _lex_dp(model: StageCostModel, piece: _Piece, lo: list[int], hi: list[int],
     return starts[::-1]
 
 
-def _dp_step(keys: list, row0: int, col0: int, costs: np.ndarray,
-             bound: int) -> tuple[list, list[int]]:
-    """One DP layer: each end (column) takes its lexicographically best start (row)."""
-    tops = [_INF if key is None else (-key[0] if key else 0) for key in keys]
-    small = costs.size <= _SMALL_BLOCK
-    table = costs.tolist() if small else costs
-    finder = _candidates_small if small else _candidates_large
-    new_keys, parents = [], []
-    for col, rows in enumerate(finder(tops, costs, row0, col0, bound)):
-        best, parent = None, -1
-        for row in rows:
-            key = _insert(keys[row], int(table[row][col]))
-            if best is None or key > best:
-                best, parent = key, row0 + row
-        new_keys.append(best)
-        parents.append(parent)
-    return new_keys, parents
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """The DP nodes at one boundary: each node's key (None: unreachable) and its
+    largest peak (``_INF``: unreachable)."""
+
+    keys: list
+    tops: list[int]
+
+    def restarted(self) -> "_Layer":
+        """Drop the history every path shares (one node is reachable)."""
+        return _Layer(keys=[None if k is None else () for k in self.keys],
+                      tops=[t if t >= _INF else 0 for t in self.tops])
 
 
 def _insert(key: tuple, cost: int) -> tuple:
@@ -602,39 +593,59 @@ def _insert(key: tuple, cost: int) -> tuple:
     return key[:at] + (-cost,) + key[at:]
 
 
-def _candidates_small(tops: list[int], costs: np.ndarray, row0: int, col0: int,
-                      bound: int) -> list[list[int]]:
-    """Per column, the valid rows with the smallest max(top, cost); plain Python."""
-    table = costs.tolist()
-    out = []
+def _pick(layer: _Layer, rows: list[int], costs: list[int]) -> tuple[tuple, int]:
+    """Among tied candidates, the lexicographically best key, and its row."""
+    best, best_row = None, -1
+    for row, cost in zip(rows, costs):
+        key = _insert(layer.keys[row], cost)
+        if best is None or key > best:
+            best, best_row = key, row
+    return best, best_row
+
+
+def _dp_step_small(layer: _Layer, row0: int, col0: int, costs: np.ndarray,
+                   bound: int) -> tuple[_Layer, list[int]]:
+    """One DP layer in plain Python: each end (column) takes its best start (row)."""
+    table, tops = costs.tolist(), layer.tops
+    keys, new_tops, parents = [], [], []
     for col in range(costs.shape[1]):
-        best, rows = _INF, []
+        best, rows, picked = _INF, [], []
         for row in range(min(len(tops), col0 + col - row0)):
             cost, top = table[row][col], tops[row]
             if top >= _INF or cost > bound:
                 continue
-            key = cost if cost > top else top
-            if key < best:
-                best, rows = key, [row]
-            elif key == best:
+            value = cost if cost > top else top
+            if value < best:
+                best, rows, picked = value, [row], [cost]
+            elif value == best:
                 rows.append(row)
-        out.append(rows)
-    return out
+                picked.append(cost)
+        if not rows:
+            keys.append(None), new_tops.append(_INF), parents.append(-1)
+            continue
+        key, row = _pick(layer, rows, picked)
+        keys.append(key), new_tops.append(best), parents.append(row0 + row)
+    return _Layer(keys=keys, tops=new_tops), parents
 
 
-def _candidates_large(tops: list[int], costs: np.ndarray, row0: int, col0: int,
-                      bound: int) -> list[list[int]]:
-    """``_candidates_small`` vectorised, for wide windows."""
-    top = np.asarray(tops, dtype=np.int64)[:, None]
+def _dp_step_large(layer: _Layer, row0: int, col0: int, costs: np.ndarray,
+                   bound: int) -> tuple[_Layer, list[int]]:
+    """``_dp_step_small`` vectorised, for wide windows."""
+    top = np.asarray(layer.tops, dtype=np.int64)[:, None]
     starts = np.arange(row0, row0 + costs.shape[0])[:, None]
     stops = np.arange(col0, col0 + costs.shape[1])[None, :]
     valid = (starts < stops) & (costs <= bound) & (top < _INF)
-    keys = np.where(valid, np.maximum(top, costs), _INF)
-    ties = valid & (keys == keys.min(axis=0))
-    out: list[list[int]] = [[] for _ in range(costs.shape[1])]
-    for col, row in zip(*np.nonzero(ties.T)):
-        out[col].append(int(row))
-    return out
+    values = np.where(valid, np.maximum(top, costs), _INF)
+    best = values.min(axis=0)
+    ties: list[list[int]] = [[] for _ in range(costs.shape[1])]
+    for col, row in zip(*np.nonzero((valid & (values == best)).T)):
+        ties[col].append(int(row))
+    keys, parents = [], []
+    for col, rows in enumerate(ties):
+        key, row = _pick(layer, rows, [int(costs[r, col]) for r in rows]) if rows else (None, -1)
+        keys.append(key)
+        parents.append(row0 + row if rows else -1)
+    return _Layer(keys=keys, tops=best.tolist()), parents
 
 
 def _cost_blocks(model: StageCostModel, piece: _Piece, lo: list[int], hi: list[int]):
@@ -647,8 +658,10 @@ def _cost_blocks(model: StageCostModel, piece: _Piece, lo: list[int], hi: list[i
         last = first + max(1, int(np.searchsorted(np.cumsum(sizes[first:]), _BLOCK_ENTRIES,
                                                   side="right")))
         flat = _flat_peaks(model, piece, lo, first, last, rows, cols)
-        for b, block in zip(range(first, last), np.split(flat, np.cumsum(sizes[first:last])[:-1])):
-            yield block.reshape(rows[b], cols[b])
+        offset = 0
+        for b in range(first, last):
+            yield flat[offset: offset + sizes[b]].reshape(rows[b], cols[b])
+            offset += sizes[b]
         first = last
 
 

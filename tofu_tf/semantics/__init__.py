@@ -8,10 +8,10 @@ builtin descriptions (``ops``), strategy derivation (``derive``), the
 registry of op types with its per-op caches (``registry``) and the coverage
 report (``coverage``). It works on the IR only and imports no TensorFlow.
 
-    >>> from tofu_tf import semantics
-    >>> semantics.strategies(op, graph, num_parts=8)      # legal OpStrategy list
-    >>> print(semantics.describe(op, graph))              # ([i, k],[k, j])->([i, j]) ...
-    >>> print(semantics.coverage(graph))                  # what is not described
+    from tofu_tf import semantics
+    semantics.strategies(op, graph, num_parts=8)   # legal OpStrategy list, replicate-all first
+    print(semantics.describe(op, graph))           # ([i, k],[k, j])->([i, j]) {i=8, j=16, k=8} sum(k)
+    print(semantics.coverage(graph))               # which ops run replicated for lack of a description
 """
 
 from tofu_tf.semantics.coverage import CoverageReport, coverage

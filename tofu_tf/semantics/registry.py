@@ -195,8 +195,8 @@ def _first_line(fn) -> str:
 
 
 def _key_of(view: OpView) -> tuple:
-    return (view.type, view.attrs, view.input_shapes, view.input_dtypes, view.input_values,
-            view.output_shapes, view.output_dtypes)
+    """The cache key of a view: its fields in order, as ``view_key`` builds them."""
+    return tuple(getattr(view, f.name) for f in dataclasses.fields(view))
 
 
 def _fallback(view: OpView, reason: str) -> Description:

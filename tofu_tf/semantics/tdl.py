@@ -210,7 +210,7 @@ class _Fixing(Expr):
 def _reducer(kind: ReduceKind):
     def reduce(fn: Callable, *, names: Sequence[str] | None = None,
                sizes: Mapping[str, int] | None = None) -> Expr:
-        params = _param_names(fn, names, None)
+        params = _param_names(fn, names)
         body = fn(*(Ix(n) for n in params))
         return _Reduce(kind, tuple(params), body, dict(sizes or {}))
     reduce.__name__ = kind.value.capitalize()
@@ -388,7 +388,7 @@ class Program:
     shape_attrs: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
-def _param_names(fn: Callable, names, rank: int | None) -> tuple[str, ...]:
+def _param_names(fn: Callable, names) -> tuple[str, ...]:
     params = inspect.signature(fn).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         if names is None:
@@ -496,7 +496,7 @@ def _trace_output(tracer: _Tracer, entry, k: int, shape) -> "OutputDesc":
     if names is None and any(p.kind is inspect.Parameter.VAR_POSITIONAL
                              for p in inspect.signature(fn).parameters.values()):
         names = default_names(len(shape))
-    params = _param_names(fn, names, len(shape))
+    params = _param_names(fn, names)
     if len(params) != len(shape):
         raise DescriptionError(
             f"{tracer.op}: output {k} has rank {len(shape)} (shape {shape}) but its lambda takes "
@@ -511,7 +511,7 @@ def _trace_output(tracer: _Tracer, entry, k: int, shape) -> "OutputDesc":
 
 def _trace_update(tracer: _Tracer, update: Update):
     target = update.target
-    params = _param_names(update.fn, update.names, target.rank)
+    params = _param_names(update.fn, update.names)
     if len(params) != target.rank:
         raise DescriptionError(f"{tracer.op}: the update of input {target.position} needs {target.rank} indices")
     expr = update.fn(*(Ix(n) for n in params))
@@ -568,6 +568,7 @@ def _register_reduce(tracer: _Tracer, node: _Reduce, params):
 def _scan(tracer: _Tracer, node, params):
     if isinstance(node, _Reduce):
         _register_reduce(tracer, node, params)
+        tracer.fixed.update(node.names)
         _scan(tracer, node.body, params)
     elif isinstance(node, _Fixing):
         tracer.fixed.update(node.names)

@@ -34,7 +34,7 @@ class OpView:
 
     @classmethod
     def of(cls, op: ir.Op, graph: ir.Graph) -> "OpView":
-        return _view_from_key(view_key(op, graph))
+        return cls(*view_key(op, graph))
 
     @classmethod
     def build(cls, op_type: str, *, attrs: Mapping[str, object] | None = None, input_shapes=(),
@@ -127,7 +127,3 @@ def view_key(op: ir.Op, graph: ir.Graph) -> tuple:
         attrs = freeze_attrs(op.attrs)
     return (op.type, attrs, tuple(in_shapes), tuple(in_dtypes), tuple(in_values),
             tuple(out_shapes), tuple(out_dtypes))
-
-
-def _view_from_key(key: tuple) -> OpView:
-    return OpView(*key)

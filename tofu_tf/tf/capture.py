@@ -38,10 +38,10 @@ _CONST_MAX_ELEMENTS = 64
 # Outputs that are backend scratch space, not values of the model: their size
 # depends on the kernel chosen at run time (empty on CPU), so they are recorded
 # as zero-byte scalars rather than failing the static-shape check.
+# (Outputs 3 and 4, the reserve spaces, are the batch mean and variance on CPU
+# and are read by the gradient: they are values.)
 _WORKSPACE_OUTPUTS = {
-    "FusedBatchNorm": frozenset({3, 4}),
-    "FusedBatchNormV2": frozenset({3, 4}),
-    "FusedBatchNormV3": frozenset({3, 4, 5}),
+    "FusedBatchNormV3": frozenset({5}),
 }
 _WORKSPACE_PASSTHROUGH = frozenset({"ZerosLike", "Identity"})
 _SKIPPED_ATTRS = frozenset({"_class", "_read_only_resource_inputs", "_has_manual_control_dependencies"})
@@ -223,8 +223,12 @@ class _Translator:
         workspace = _WORKSPACE_OUTPUTS.get(op.type, frozenset())
         if op.type in _WORKSPACE_PASSTHROUGH and inputs and inputs[0] in self._workspace:
             workspace = frozenset({0})
+        bound = _index_length_bound(op)
         for index, (tensor, out_name) in enumerate(zip(op.outputs, outputs)):
-            if index in workspace:
+            if bound is not None and tensor.shape.rank == 1 and tensor.shape[0] is None:
+                self._tensors[out_name] = ir.Tensor(name=out_name, shape=(bound,), dtype=tensor.dtype.name,
+                                                    role=ir.Role.SCALAR, producer=name)
+            elif index in workspace:
                 self._workspace.add(out_name)
                 self._tensors[out_name] = ir.Tensor(name=out_name, shape=(), dtype=tensor.dtype.name,
                                                     role=ir.Role.SCALAR, producer=name)
@@ -308,6 +312,19 @@ def _function_graph(graph, function_name: str):
             return function_def_to_graph.function_def_to_graph(function.cached_definition)
         current = getattr(current, "outer_graph", None)
     raise KeyError(f"function {function_name!r} called in the step is not in its graph library")
+
+
+# Ops whose integer outputs list dimensions: their length depends only on
+# static shapes (at most the rank), not on data, but TF leaves it unknown.
+_INDEX_VECTOR_OPS = frozenset({"BroadcastGradientArgs"})
+
+
+def _index_length_bound(op) -> int | None:
+    """An upper bound (the largest input rank) on the length of a dimension-index output."""
+    if op.type not in _INDEX_VECTOR_OPS:
+        return None
+    lengths = [t.shape[0] for t in op.inputs if t.shape.rank == 1 and t.shape[0] is not None]
+    return max(lengths) if lengths else None
 
 
 def _loop_body(op, graph, layer_names) -> ir.Graph:

@@ -202,7 +202,7 @@ def _become(variable, fresh: TofuVariable) -> TofuVariable:
     state = dict(fresh.__dict__)
     # Keep the name the variable was created with: the fresh one was made
     # inside the layer's name scope again and would be called "dense/dense/kernel".
-    for key in ("_handle_name", "_unique_id", "_shared_name"):
+    for key in ("_handle_name", "_unique_id", "_shared_name", "_tofu_path"):
         if key in variable.__dict__:
             state[key] = variable.__dict__[key]
     variable.__dict__.clear()

@@ -12,7 +12,7 @@ import math
 
 from tofu_tf.semantics.language import DescriptionError, MetaKind
 from tofu_tf.semantics.ops._util import as_tuple, broadcast, conservative, names, normalize_axis
-from tofu_tf.semantics.tdl import Apply, Out, Position, Program, Select, Sum, Where
+from tofu_tf.semantics.tdl import Out, Position, Program, Select, Sum, Where
 from tofu_tf.semantics.view import OpView
 
 

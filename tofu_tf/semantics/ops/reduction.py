@@ -7,9 +7,8 @@ that reduce under a non-linear function (EuclideanNorm, ArgMax) reduce
 
 from __future__ import annotations
 
-from tofu_tf.semantics.language import DescriptionError
 from tofu_tf.semantics.ops._util import as_tuple, conservative, names, normalize_axis
-from tofu_tf.semantics.tdl import Apply, Max, Mean, Min, Out, Prod, Sum, Where
+from tofu_tf.semantics.tdl import Apply, Max, Mean, Min, Out, Position, Prod, Sum, Where
 from tofu_tf.semantics.view import OpView
 
 _REDUCERS = {"Sum": Sum, "Mean": Mean, "Max": Max, "Min": Min, "Prod": Prod, "Any": Max, "All": Min}
@@ -109,6 +108,21 @@ def l2_loss(op: OpView):
     return program
 
 
+def cumsum(op: OpView):
+    """out[.., t, ..] = sum_{s <= t} x[.., s, ..] (exclusive / reverse attrs): the scanned axis depends on global positions"""
+    rank = len(op.output_shapes[0])
+    axis = op.value(1)
+    if axis is None:
+        return conservative(op, "scan axis not static")
+    axis = normalize_axis(axis, rank, op)
+
+    def program(x, axis_tensor):
+        def out(*idx):
+            return Sum(lambda s: Position(s, idx[axis], args=(x[idx[:axis] + (s,) + idx[axis + 1:]],)))
+        return Out(out, names(rank, taken="s"))
+    return program
+
+
 def register(registry) -> None:
     from tofu_tf.semantics.registry import Family
     for op_type in _REDUCERS:
@@ -118,3 +132,4 @@ def register(registry) -> None:
     registry.register("ArgMin", family=Family.REDUCTION)(arg_reduce)
     registry.register("BiasAddGrad", family=Family.REDUCTION)(bias_add_grad)
     registry.register("L2Loss", family=Family.REDUCTION)(l2_loss)
+    registry.register("Cumsum", family=Family.REDUCTION)(cumsum)

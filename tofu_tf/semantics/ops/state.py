@@ -8,7 +8,8 @@ simply run whole.
   and their outputs are metadata.
 * Generators (a fed input, fill, random numbers) read nothing per element:
   every part makes its own block (random values are equal in distribution,
-  not bit for bit).
+  not bit for bit; for a stateless generator the lowering must give each part
+  its own counter, as DTensor does per shard).
 * Constants, control flow (loops, conditionals), tensor lists (their variant
   handles have no shape in the IR) and no-ops are described as replicated:
   the ops inside a loop body are planned one by one.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from tofu_tf.semantics.language import MetaKind
 from tofu_tf.semantics.ops._util import conservative, names
-from tofu_tf.semantics.tdl import META_OUTPUT, Apply, Out, Program, Update
+from tofu_tf.semantics.tdl import META_OUTPUT, Apply, Out, Position, Program, Update
 from tofu_tf.semantics.view import OpView
 
 REPLICATED = (
@@ -27,7 +28,8 @@ REPLICATED = (
     "TensorListPushBack", "TensorListPopBack", "TensorListReserve", "TensorListLength",
     "TensorListElementShape", "TensorListResize", "TensorListConcatV2", "TensorListSplit",
 )
-GENERATORS = ("RandomUniform", "RandomStandardNormal", "TruncatedNormal", "RandomUniformInt")
+GENERATORS = ("RandomUniform", "RandomStandardNormal", "TruncatedNormal", "RandomUniformInt",
+              "StatelessRandomUniformV2", "StatelessRandomNormalV2", "StatelessTruncatedNormalV2")
 
 
 def replicated_op(op: OpView):
@@ -91,10 +93,17 @@ def placeholder(op: OpView):
 def random(op: OpView):
     """out[i..] = a random number (shape in input 0; every part draws its block)"""
     rank = len(op.output_shapes[0])
+    stateless = op.type.startswith("Stateless")
 
-    def program(shape, *bounds):
+    def program(shape, *rest):
+        bounds = () if stateless else rest  # a stateless op's key, counter and algorithm are metadata
         return Out(lambda *idx: Apply(op.type, *(b[()] for b in bounds)), names(rank))
     return Program(program, meta={0: MetaKind.OUTPUT_SHAPE})
+
+
+def range_(op: OpView):
+    """out[i] = start + i * delta: the value is the global position"""
+    return lambda start, limit, delta: lambda i: Position(i, args=(start[()], delta[()]))
 
 
 def fill(op: OpView):
@@ -112,10 +121,13 @@ def register(registry) -> None:
         registry.register(op_type, family=Family.VARIABLE)(assign)
     registry.register("VarHandleOp", family=Family.VARIABLE)(var_handle)
     registry.register("VarIsInitializedOp", family=Family.VARIABLE)(shape_op)
+    registry.register("VariableShape", family=Family.SHAPE)(shape_op)
     for op_type in ("Shape", "ShapeN", "Size", "Rank"):
         registry.register(op_type, family=Family.SHAPE)(shape_op)
     registry.register("BroadcastGradientArgs", family=Family.SHAPE)(metadata_op)
+    registry.register("StatelessRandomGetKeyCounter", family=Family.GENERATOR)(metadata_op)
     registry.register("Placeholder", family=Family.GENERATOR)(placeholder)
     registry.register("Fill", family=Family.GENERATOR)(fill)
+    registry.register("Range", family=Family.GENERATOR)(range_)
     for op_type in GENERATORS:
         registry.register(op_type, family=Family.GENERATOR)(random)
