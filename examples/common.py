@@ -80,7 +80,7 @@ def synthetic_data(model, n: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     shape = tuple(model.input_shape[1:])
     classes = model.output_shape[-1]
-    if model.inputs[0].dtype.name.startswith("int"):
+    if str(getattr(model.inputs[0].dtype, "name", model.inputs[0].dtype)).startswith("int"):
         x = rng.integers(0, classes, (n,) + shape).astype("int32")
         y = rng.integers(0, classes, (n,) + shape).astype("int32")
     else:

@@ -37,7 +37,7 @@ def data_for(model, *, steps: int = STEPS, seed: int = 0):
     rng = np.random.default_rng(seed)
     n = BATCH * steps
     shape = tuple(model.input_shape[1:])
-    if model.inputs[0].dtype.name.startswith("int"):
+    if str(getattr(model.inputs[0].dtype, "name", model.inputs[0].dtype)).startswith("int"):
         vocab = model.output_shape[-1]
         x = rng.integers(0, vocab, (n,) + shape).astype("int32")
         y = rng.integers(0, vocab, (n,) + shape).astype("int32")
