@@ -187,3 +187,18 @@ def layer_names(model) -> set[str]:
     for layer in model._flatten_layers(include_self=False, recursive=True):
         names.add(layer.name)
     return names
+
+
+def ensure_tf_keras_seeded() -> int | None:
+    """tf-keras draws sharded initial values only from its global seed generator
+    (so every shard, on every client, follows one random stream). If the user
+    has not seeded it, seed it from numpy's generator -- which the user's own
+    ``np.random.seed`` or ``set_random_seed`` fixes -- and return the seed."""
+    from tf_keras.src import backend as tf_keras_backend
+    if getattr(tf_keras_backend._SEED_GENERATOR, "generator", None):  # pylint: disable=protected-access
+        return None
+    import numpy as np
+    import tf_keras
+    seed = int(np.random.randint(0, 2**31 - 1))
+    tf_keras.utils.set_random_seed(seed)
+    return seed

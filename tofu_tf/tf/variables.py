@@ -32,6 +32,8 @@ from tensorflow.dtensor.python import d_variable
 from tensorflow.experimental import dtensor
 from tensorflow.python.ops import resource_variable_ops
 
+from tofu_tf.tf import keras_adapter
+
 
 class TofuVariable(d_variable.DVariable):
     """A DTensor variable whose in-graph reads see its in-graph writes."""
@@ -171,7 +173,7 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout) -> TofuVaria
 
     def sharded_initial_value():
         if not layout.is_fully_replicated() and _takes_layout(initial_value):
-            return initial_value(layout=layout)
+            return _seeded(initial_value)(layout=layout)
         if not layout.is_fully_replicated() and shape.num_elements() > _WHOLE_VALUE_LOG_ELEMENTS:
             logging.info("building %s whole before sharding it (its initializer takes no layout)", variable.name)
         value = initial_value() if callable(initial_value) else initial_value
@@ -212,6 +214,22 @@ def _become(variable, fresh: TofuVariable) -> TofuVariable:
 
 
 _WHOLE_VALUE_LOG_ELEMENTS = 1 << 16
+
+
+def _seeded(initial_value: functools.partial) -> functools.partial:
+    """tf-keras initializers refuse to draw sharded values without a seed (so
+    that every shard agrees on one random stream); give an unseeded one a seed
+    drawn from numpy's generator, which a user's ``set_random_seed`` fixes."""
+    initializer = initial_value.func
+    if type(initializer).__module__.startswith("tf_keras"):
+        seed = keras_adapter.ensure_tf_keras_seeded()
+        if seed is not None:
+            logging.warning("TofuStrategy seeded tf-keras with %d to initialize sharded variables; "
+                            "call tf_keras.utils.set_random_seed() to choose the seed.", seed)
+    if getattr(initializer, "seed", 0) is not None or not hasattr(initializer, "get_config"):
+        return initial_value
+    config = dict(initializer.get_config(), seed=int(np.random.randint(0, 2**31 - 1)))
+    return functools.partial(type(initializer).from_config(config), *initial_value.args, **initial_value.keywords)
 
 
 def _takes_layout(initial_value) -> bool:
