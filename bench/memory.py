@@ -1,0 +1,155 @@
+"""Who pays what for memory: the NOTES.md anchor, reproduced in one run.
+
+A 4 x Dense(4096) + Dense(10) MLP (67.2M parameters, Adam, fp32), batch 16, 4 fit
+steps including tracing, on 8 virtual CPU devices, trained three ways:
+
+* ``data_parallel``: TF's DTensor MirroredStrategy (replicated weights, batch split on 8);
+* ``megatron_layoutmap``: a hand-written tf-keras LayoutMap, kernels alternating column/row
+  on a model=8 axis, with tf-keras' DTensor Adam;
+* ``tofu``: TofuStrategy(8), no layout written.
+
+Each run is its own process (peak RSS is per process); the table shows the median of
+--repeats runs and ratios against the hand-written plan. Run:
+    python bench/memory.py [--repeats=3] [--methods=data_parallel,megatron_layoutmap,tofu]
+"""
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+flags.DEFINE_integer("repeats", 3, "Runs per method; medians are reported.")
+flags.DEFINE_list("methods", ["data_parallel", "megatron_layoutmap", "tofu"], "Methods to run.")
+flags.DEFINE_string("run", None, "Internal: run one method in this process and print JSON.")
+flags.DEFINE_integer("width", 4096, "MLP width.")
+flags.DEFINE_integer("depth", 4, "Hidden layers.")
+flags.DEFINE_integer("batch_size", 16, "Global batch size.")
+flags.DEFINE_integer("steps", 4, "Fit steps (the first includes tracing).")
+FLAGS = flags.FLAGS
+
+NUM_DEVICES = 8
+
+
+def _build(keras):
+    layers = [keras.Input((FLAGS.width,))]
+    layers += [keras.layers.Dense(FLAGS.width, activation="relu", name=f"d{i}") for i in range(FLAGS.depth)]
+    layers.append(keras.layers.Dense(10, name="head"))
+    return keras.Sequential(layers, name="anchor_mlp")
+
+
+def _data():
+    import numpy as np
+    rng = np.random.default_rng(0)
+    n = FLAGS.batch_size * FLAGS.steps
+    return rng.normal(size=(n, FLAGS.width)).astype("float32"), rng.integers(0, 10, n).astype("int32")
+
+
+def _run_data_parallel():
+    import tf_keras as keras
+    from tensorflow.experimental import dtensor
+    from tensorflow.python.distribute.experimental import mirrored_strategy
+    mesh = dtensor.create_mesh([("batch", NUM_DEVICES)], devices=[f"CPU:{i}" for i in range(NUM_DEVICES)])
+    strategy = mirrored_strategy.MirroredStrategy(mesh=mesh)
+    return _fit_in_scope(strategy, keras)
+
+
+def _fit_in_scope(strategy, keras):
+    """Build and compile under ``strategy``, then time ``fit`` on numpy arrays."""
+    with strategy.scope():
+        model = _build(keras)
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x, y = _data()
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=FLAGS.batch_size, epochs=1, verbose=0, shuffle=False)
+    return time.perf_counter() - start
+
+
+def _run_megatron_layoutmap():
+    import tensorflow as tf
+    import tf_keras as keras
+    from tensorflow.experimental import dtensor
+    mesh = dtensor.create_mesh([("batch", 1), ("model", NUM_DEVICES)], devices=[f"CPU:{i}" for i in range(NUM_DEVICES)])
+    keras.utils.set_random_seed(0)
+    layout_map = keras.dtensor.experimental.LayoutMap(mesh=mesh)
+    for i in range(FLAGS.depth):
+        column = i % 2 == 0
+        layout_map[f"d{i}.*kernel"] = dtensor.Layout(
+            [dtensor.UNSHARDED, "model"] if column else ["model", dtensor.UNSHARDED], mesh)
+        layout_map[f"d{i}.*bias"] = dtensor.Layout(["model"] if column else [dtensor.UNSHARDED], mesh)
+    with layout_map.scope():
+        model = _build(keras)
+    model.compile(optimizer=keras.dtensor.experimental.optimizers.Adam(mesh=mesh),
+                  loss="sparse_categorical_crossentropy")
+    x, y = _data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    layouts = (dtensor.Layout.batch_sharded(mesh, "batch", 2), dtensor.Layout.batch_sharded(mesh, "batch", 1))
+    dataset = dtensor.DTensorDataset(dataset=dataset, mesh=mesh, layouts=layouts,
+                                     global_batch_size=FLAGS.batch_size, batch_dim="batch",
+                                     dataset_already_batched=False)
+    start = time.perf_counter()
+    model.fit(dataset, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0)
+    return time.perf_counter() - start
+
+
+def _run_tofu():
+    import tf_keras as keras
+    from tofu_tf import TofuStrategy
+    strategy = TofuStrategy(NUM_DEVICES)
+    seconds = _fit_in_scope(strategy, keras)
+    print(strategy.plan.summary(), file=sys.stderr)
+    return seconds
+
+
+RUNNERS = {"data_parallel": _run_data_parallel, "megatron_layoutmap": _run_megatron_layoutmap, "tofu": _run_tofu}
+
+
+def _child(method):
+    from tofu_tf.tf import devices
+    devices.configure_virtual_cpus(NUM_DEVICES)
+    seconds = RUNNERS[method]()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    print(json.dumps({"method": method, "fit_seconds": seconds, "peak_rss_bytes": peak}))
+
+
+def _measure(method):
+    args = [sys.executable, os.path.abspath(__file__), f"--run={method}", f"--width={FLAGS.width}",
+            f"--depth={FLAGS.depth}", f"--batch_size={FLAGS.batch_size}", f"--steps={FLAGS.steps}"]
+    out = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    if out.returncode != 0:
+        raise RuntimeError(f"{method} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv):
+    del argv
+    if FLAGS.run:
+        _child(FLAGS.run)
+        return
+    results = {}
+    for repeat in range(FLAGS.repeats):
+        for method in FLAGS.methods:  # interleaved, so drift in machine load hits every method alike
+            results.setdefault(method, []).append(_measure(method))
+            print(f"  run {repeat + 1}/{FLAGS.repeats} {method}: {results[method][-1]}", file=sys.stderr)
+    medians = {m: (statistics.median(r["peak_rss_bytes"] for r in rs), statistics.median(r["fit_seconds"] for r in rs))
+               for m, rs in results.items()}
+    base = medians.get("megatron_layoutmap")
+    params = FLAGS.depth * (FLAGS.width * FLAGS.width + FLAGS.width) + FLAGS.width * 10 + 10
+    print(f"MLP {FLAGS.depth} x Dense({FLAGS.width}) + Dense(10), {params / 1e6:.1f}M params, Adam, batch "
+          f"{FLAGS.batch_size}, {FLAGS.steps} fit steps, {NUM_DEVICES} virtual CPUs; median of {FLAGS.repeats}")
+    print(f"{'method':<22}{'peak RSS GiB':>14}{'fit s':>9}{'RSS / hand':>12}{'time / hand':>13}")
+    for method, (rss, seconds) in medians.items():
+        ratio = f"{rss / base[0]:>12.2f}{seconds / base[1]:>13.2f}" if base else ""
+        print(f"{method:<22}{rss / 2**30:>14.2f}{seconds:>9.1f}{ratio}")
+
+
+if __name__ == "__main__":
+    app.run(main)
