@@ -1,4 +1,4 @@
-"""Planner benchmark: modeled communication and peak memory per method, and search time.
+"""Planner benchmark: modeled step time (communication + compute), peak memory, search time.
 
 For each model (captured once; ``--cache DIR`` keeps the IR as JSON between
 runs) and device count, prints one row per method:
@@ -6,7 +6,11 @@ runs) and device count, prints one row per method:
 * ``data_parallel`` and ``megatron`` (hand patterns, where they apply),
 * ``tofu`` under the hardware's memory, and ``tofu@dp`` / ``tofu@mt`` with the
   memory budget set to the baseline's peak ("at equal memory"),
-* ``ilp`` on the mesh of the last tofu row, same budget (proved-optimal flag shown).
+* ``ilp`` on the mesh of the last tofu row, same budget (proved-optimal flag shown),
+
+then one line per target (tofu no worse than the baselines, search time, within 2%
+of a proved ILP optimum) saying met or not, with the numbers. Plans use
+``--target`` (default "ideal": Tofu's full space; "dtensor": what DTensor lowers).
 
 Usage: python bench/planner.py [--models mlp,gpt12] [--devices 8,64] [--cache /tmp/graphs] [--no-ilp]
 """
@@ -52,10 +56,14 @@ def load_graph(key: str, cache: str | None) -> ir.Graph:
     return graph
 
 
+TARGET = {"value": "ideal"}
+VERDICTS: list[str] = []
+
+
 def run(graph, n, method, **kwargs):
     start = time.perf_counter()
     try:
-        plan = plan_graph(graph, num_devices=n, method=method, **kwargs)
+        plan = plan_graph(graph, num_devices=n, method=method, target=TARGET["value"], **kwargs)
     except (BaselineNotApplicableError, InfeasibleBudgetError) as error:
         return None, type(error).__name__
     check_plan(graph, plan, num_devices=n)
@@ -68,8 +76,13 @@ def row(model, n, label, plan, info):
         return
     mesh = "x".join(str(s) for s in plan.mesh_shape.values())
     proved = "" if plan.proved_optimal is None else ("  optimal" if plan.proved_optimal else "  not proved")
-    print(f"{model:<16}{n:>4}  {label:<10}{mesh:>9}{plan.comm_bytes / 2**20:>12.1f}{plan.comm_seconds * 1e3:>10.3f}"
+    print(f"{model:<16}{n:>4}  {label:<10}{mesh:>9}{plan.comm_bytes / 2**20:>11.1f}{plan.comm_seconds * 1e3:>10.3f}"
+          f"{plan.compute_seconds * 1e3:>10.3f}{plan.step_seconds * 1e3:>10.3f}"
           f"{plan.peak_memory_bytes / 2**30:>10.2f}{plan.search_seconds:>9.2f}{proved}")
+
+
+def verdict(text: str, met: bool) -> None:
+    VERDICTS.append(f"{'MET    ' if met else 'NOT MET'}  {text}")
 
 
 def main() -> None:
@@ -78,10 +91,14 @@ def main() -> None:
     parser.add_argument("--devices", default="8,64")
     parser.add_argument("--cache", default=None)
     parser.add_argument("--no-ilp", action="store_true")
-    parser.add_argument("--ilp-time-limit", type=float, default=120.0)
+    parser.add_argument("--ilp-time-limit", type=float, default=60.0)
+    parser.add_argument("--ilp-max-ops", type=int, default=5000, help="skip the ILP on larger graphs")
+    parser.add_argument("--target", default="ideal", choices=("ideal", "dtensor"))
     args = parser.parse_args()
-    print(f"{'model':<16}{'N':>4}  {'method':<10}{'mesh':>9}{'comm MiB':>12}{'comm ms':>10}{'peak GiB':>10}"
-          f"{'search s':>9}")
+    TARGET["value"] = args.target
+    started = time.perf_counter()
+    print(f"{'model':<16}{'N':>4}  {'method':<10}{'mesh':>9}{'comm MiB':>11}{'comm ms':>10}{'comp ms':>10}"
+          f"{'step ms':>10}{'peak GiB':>10}{'search s':>9}")
     for key in args.models.split(","):
         graph = load_graph(key, args.cache)
         name = MODELS[key][0]
@@ -93,6 +110,15 @@ def main() -> None:
                 row(name, n, method, plan, info)
             tofu, info = run(graph, n, "tofu")
             row(name, n, "tofu", tofu, info)
+            if tofu is not None:
+                for method, base in baselines.items():
+                    if base is not None:
+                        verdict(f"{name} N={n}: tofu step {tofu.step_seconds * 1e3:.3f} ms <= {method} "
+                                f"{base.step_seconds * 1e3:.3f} ms", tofu.step_seconds <= base.step_seconds * 1.0001)
+                limit = {8: 5.0, 64: 30.0}.get(n)
+                if key == "gpt48" and limit:
+                    verdict(f"{name} N={n}: search {tofu.search_seconds:.1f} s < {limit:.0f} s",
+                            tofu.search_seconds < limit)
             reference, budget = tofu, None
             for label, base in (("tofu@dp", baselines["data_parallel"]), ("tofu@mt", baselines["megatron"])):
                 if base is not None:
@@ -100,11 +126,24 @@ def main() -> None:
                     row(name, n, label, plan, info)
                     if plan is not None:
                         reference, budget = plan, base.peak_memory_bytes
-            if not args.no_ilp and reference is not None:
-                plan, info = run(graph, n, "ilp", mesh_shape=tuple(reference.mesh_shape.values()),
-                                 memory_budget_bytes=budget, time_limit_s=args.ilp_time_limit)
+            if args.no_ilp or reference is None:
+                pass
+            elif len(graph.ops) > args.ilp_max_ops:
+                print(f"{name:<16}{n:>4}  {'ilp':<10}  skipped: {len(graph.ops)} ops > --ilp-max-ops")
+            else:
+                mesh = tuple(reference.mesh_shape.values())
+                plan, info = run(graph, n, "ilp", mesh_shape=mesh, memory_budget_bytes=budget,
+                                 time_limit_s=args.ilp_time_limit)
                 row(name, n, "ilp", plan, info)
+                same, _ = run(graph, n, "tofu", mesh_shape=mesh, memory_budget_bytes=budget)
+                if plan is not None and same is not None and plan.proved_optimal:
+                    gap = same.step_seconds / plan.step_seconds - 1
+                    verdict(f"{name} N={n} mesh {mesh}: tofu {same.step_seconds * 1e3:.3f} ms vs ILP optimum "
+                            f"{plan.step_seconds * 1e3:.3f} ms ({gap:+.2%}, target <= +2%)", gap <= 0.02)
             sys.stdout.flush()
+    print(f"\ntargets ({TARGET['value']} space; bench ran {time.perf_counter() - started:.0f} s):")
+    for line in VERDICTS:
+        print("  " + line)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,12 @@ def split_step_data(args) -> StepInputs:
     return StepInputs(features=tuple(tf.nest.flatten(features)), labels=labels)
 
 
+def backing_variable(variable):
+    """The tf.Variable behind a Keras variable (Keras 3 wraps one in ``.value``)."""
+    inner = getattr(variable, "value", None)
+    return inner if isinstance(inner, tf.Variable) else variable
+
+
 def compiled_loss(model):
     """The loss the model was compiled with (what capture traces), or None."""
     return getattr(model, "loss", None)
@@ -237,3 +243,43 @@ class _StepwiseIterator:
             return next(self._iterator)
         except tf.errors.OutOfRangeError as error:
             raise StopIteration from error
+
+
+def relayout_dense_inputs(model, layout_of_kernel, batch_axis, mesh) -> list[str]:
+    """Give each sharded Dense layer its input in the layout its kernel needs.
+
+    DTensor propagates activation layouts op by op from whatever reaches it;
+    when two plans meet at a layer boundary (the previous layer's output split
+    on one mesh axis, this kernel's rows on another) its MatMul expander refuses
+    the mismatched contraction instead of converting. Relaying the input to
+    (batch on the plan's batch axis, features on the kernel's row axis) is the
+    conversion the plan priced, made explicit.
+    """
+    from tensorflow.experimental import dtensor
+
+    hinted = []
+    for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
+        if type(layer).__name__ != "Dense" or getattr(layer, "_tofu_hinted", False):
+            continue
+        kernel = getattr(layer, "kernel", None)
+        if kernel is None:
+            continue
+        row_axis = layout_of_kernel(kernel)
+        if row_axis is None:
+            continue
+        layer.call = types.MethodType(_relayout_first_argument(layer.call, row_axis, batch_axis, mesh, dtensor), layer)
+        layer._tofu_hinted = True  # pylint: disable=protected-access
+        hinted.append(layer.name)
+    return hinted
+
+
+def _relayout_first_argument(call, row_axis, batch_axis, mesh, dtensor):
+    def hinted_call(self, inputs, *args, **kwargs):
+        del self
+        rank = inputs.shape.rank
+        spec = [dtensor.UNSHARDED] * rank
+        spec[-1] = row_axis
+        if batch_axis is not None and batch_axis != row_axis and rank > 1:
+            spec[0] = batch_axis
+        return call(dtensor.relayout(inputs, dtensor.Layout(spec, mesh)), *args, **kwargs)
+    return hinted_call

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import tensorflow as tf
 from absl import logging
@@ -127,6 +128,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._early: list[variables_lib.TofuVariable] = []
         self._passthrough = False
         self._prepared: set[int] = set()
+        self._models: list[weakref.ref] = []
         # Before a plan exists Keras still asks for a mesh; a 1-D batch mesh over
         # the same devices answers until the planned mesh replaces it.
         self._provisional = lowering.make_mesh({"batch": device_set.count}, device_set)
@@ -149,6 +151,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         summary = plan.summary() if hasattr(plan, "summary") else repr(plan)
         logging.info("TofuStrategy plan:\n%s", summary)
         self._materialize_deferred()
+        for ref in self._models:
+            model = ref()
+            if model is not None:
+                self._hint_layouts(model)
 
     def plan_for(self, model, *, batch_size, loss, optimizer, labels) -> None:
         if self._plan is not None:
@@ -171,10 +177,29 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
     def _prepare(self, model) -> None:
         if id(model) in self._prepared:
+            self._hint_layouts(model)
             return
         self._prepared.add(id(model))
+        self._models.append(weakref.ref(model))
         for change in keras_hooks.prepare_for_dtensor(model):
             logging.info("TofuStrategy: layer %s: %s (%s)", change.layer, change.change, change.reason)
+        self._hint_layouts(model)
+
+    def _hint_layouts(self, model) -> None:
+        """Once the plan exists: explicit input relayouts at sharded Dense layers."""
+        if self._lowered is None:
+            return
+
+        def row_axis(kernel):
+            variable = keras_hooks.backing_variable(kernel)
+            layout = getattr(variable, "layout", None)
+            if layout is None or layout.sharding_specs[0] == dtensor.UNSHARDED:
+                return None
+            return layout.sharding_specs[0]
+
+        hinted = keras_hooks.relayout_dense_inputs(model, row_axis, self._lowered.batch_axis, self.mesh)
+        if hinted:
+            logging.info("TofuStrategy: relayout hints at the inputs of %s", ", ".join(hinted))
 
     @contextlib.contextmanager
     def _creating_plain_variables(self):

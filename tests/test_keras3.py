@@ -9,6 +9,7 @@ import tensorflow as tf
 from strategies import TofuStrategy
 from tests import strategy_helpers as h
 from tofu_tf import models
+from tofu_tf.tf import lowering
 
 BUILDERS = {
     "mlp": lambda: models.mlp(width=32, depth=2, keras=keras),
@@ -80,8 +81,9 @@ def test_three_steps_match_one_device(trained):
 
 def test_planned_layouts_reach_keras3_variables(trained):
     name, strategy, model, *_ = trained
+    lowered = lowering.dtensor_natural(strategy.plan.variable_layouts)
     for variable in model.weights:
-        planned = next((layout for path, layout in strategy.plan.variable_layouts.items()
+        planned = next((layout for path, layout in lowered.items()
                         if variable.path == path or variable.path.endswith("/" + path)), None)
         if planned is not None:
             actual = tuple(None if a == "unsharded" else a for a in variable.value.layout.sharding_specs)

@@ -177,7 +177,8 @@ class GraphBuilder:
 
 
 def mlp_graph(batch=8, widths=(16, 32, 32, 8)) -> ir.Graph:
-    """Forward, backward and update of a ReLU MLP, shaped like a captured step."""
+    """Forward, backward and update of a ReLU MLP, shaped like a captured step
+    (backward ops named ``gradient_tape/<forward op>/...`` as TF's tape names them)."""
     b = GraphBuilder(batch)
     x = b.input("x", (batch, widths[0]))
     acts, kernels = [x], []
@@ -189,17 +190,18 @@ def mlp_graph(batch=8, widths=(16, 32, 32, 8)) -> ir.Graph:
         if i < len(widths) - 2:
             h = b.op(f"{layer}/relu", "Relu", (h,), [(batch, w_out)], layer=layer)
         acts.append(h)
-    grad = b.op("loss/grad", "Mul", (acts[-1], acts[-1]), [(batch, widths[-1])])
+    grad = b.op("gradient_tape/loss/grad", "Mul", (acts[-1], acts[-1]), [(batch, widths[-1])])
     gradients = {}
     for i in range(len(widths) - 2, -1, -1):
         layer = f"dense_{i}"
         if i < len(widths) - 2:
-            grad = b.op(f"{layer}/relu_grad", "ReluGrad", (grad, acts[i + 1]), [(batch, widths[i + 1])], layer=layer)
-        dk = b.op(f"{layer}/matmul_grad_k", "MatMul", (acts[i], grad), [(widths[i], widths[i + 1])],
+            grad = b.op(f"gradient_tape/{layer}/relu/grad", "ReluGrad", (grad, acts[i + 1]), [(batch, widths[i + 1])],
+                        layer=layer)
+        dk = b.op(f"gradient_tape/{layer}/matmul/grad_k", "MatMul", (acts[i], grad), [(widths[i], widths[i + 1])],
                   attrs={"transpose_a": True}, layer=layer)
         gradients[dk] = f"{layer}/kernel"
         if i > 0:
-            grad = b.op(f"{layer}/matmul_grad_x", "MatMul", (grad, kernels[i]), [(batch, widths[i])],
+            grad = b.op(f"gradient_tape/{layer}/matmul/grad_x", "MatMul", (grad, kernels[i]), [(batch, widths[i])],
                         attrs={"transpose_b": True}, layer=layer)
     for dk, path in gradients.items():
         b.update(path, dk)

@@ -6,7 +6,8 @@ included, by their Keras path) and batch input, and the layout each op's
 outputs are produced in. It also carries the modeled cost (communication
 bytes and seconds per step, by collective kind and by layer; peak memory per
 device with its breakdown), how long the search took, and which method made
-it, so plans from different methods compare in one table.
+it, so plans from different methods compare in one table. The modeled step
+time is communication seconds plus compute seconds (``tofu_tf.cost.compute``).
 
 Layouts are tuples with one entry per tensor dim: a mesh axis name or None.
 JSON is versioned; loading another version raises with the remedy.
@@ -32,7 +33,8 @@ class Method(enum.Enum):
 
 
 class Objective(enum.Enum):
-    COMM = "comm"      # modeled communication seconds per step, under a memory budget
+    TIME = "time"      # modeled step seconds (communication + compute), under a memory budget
+    COMM = "comm"      # modeled communication seconds per step only, under a memory budget
     MEMORY = "memory"  # peak memory per device (pure Tofu), communication breaks ties
 
 
@@ -62,10 +64,12 @@ class Plan:
     memory: MemoryReport
     search_seconds: float
     hardware: str
-    objective: Objective = Objective.COMM
+    objective: Objective = Objective.TIME
     memory_budget_bytes: int | None = None
     proved_optimal: bool | None = None
     notes: tuple[str, ...] = ()
+    compute_seconds: float = 0.0
+    target: str = "dtensor"
 
     # -- what other components read ----------------------------------------
     @property
@@ -88,6 +92,11 @@ class Plan:
         return sum(c.seconds for c in self.comm_by_collective.values())
 
     @property
+    def step_seconds(self) -> float:
+        """Modeled seconds per training step: communication plus compute."""
+        return self.comm_seconds + self.compute_seconds
+
+    @property
     def peak_memory_bytes(self) -> int:
         return self.memory.peak_bytes
 
@@ -98,6 +107,8 @@ class Plan:
         mem = self.memory
         lines = [
             f"Plan ({self.method.value}, objective {self.objective.value}) on mesh {mesh}, hardware {self.hardware}",
+            f"  step time       {self.step_seconds * 1e3:>12.3f} ms  (compute {self.compute_seconds * 1e3:.3f} ms, "
+            f"target {self.target})",
             f"  comm per step   {_mib(self.comm_bytes):>12} MiB {self.comm_seconds * 1e3:>10.3f} ms",
             f"  peak memory     {_mib(mem.peak_bytes):>12} MiB  (budget "
             f"{'none' if self.memory_budget_bytes is None else _mib(self.memory_budget_bytes) + ' MiB'})",
@@ -141,6 +152,8 @@ class Plan:
             "memory_budget_bytes": self.memory_budget_bytes,
             "proved_optimal": self.proved_optimal,
             "notes": list(self.notes),
+            "compute_seconds": self.compute_seconds,
+            "target": self.target,
         }
 
     def to_json(self, **json_kwargs) -> str:
@@ -171,6 +184,8 @@ class Plan:
             memory_budget_bytes=data.get("memory_budget_bytes"),
             proved_optimal=data.get("proved_optimal"),
             notes=tuple(data.get("notes", ())),
+            compute_seconds=float(data.get("compute_seconds", 0.0)),
+            target=str(data.get("target", "dtensor")),
         )
 
     @classmethod

@@ -79,6 +79,9 @@ _INF = int(np.iinfo(np.int64).max)
 # Split a piece at its pinned boundaries when its DP would visit more than
 # this many (start, stop) pairs per stage.
 _SPLIT_WORK_PER_STAGE = 64
+# Stage steps (stages x counts) allowed to the greedies that count stages at
+# the min-max bound; beyond it, wide windows go to the DP as they are.
+_COUNT_GREEDY_STEPS = 1 << 15
 # Probe budget of the heuristic bound for non-monotone costs.
 _HEURISTIC_PROBES = 64
 # DP blocks up to this many entries are scanned in plain Python, larger ones in numpy.
@@ -283,11 +286,37 @@ class _Search:
     def _solve_piece(self, piece: _Piece) -> tuple[list[int], list[_Piece]]:
         """Either the piece's starts, or no starts and the sub-pieces to solve instead."""
         bound, greedy_starts = self._bound(piece)
+        if bound == 0 and greedy_starts is not None:
+            return greedy_starts, []  # every stage peaks at 0: all partitions tie
         lo, hi = self._windows(piece, bound, greedy_starts)
+        wide = _window_work(lo, hi) > _SPLIT_WORK_PER_STAGE * piece.stages
         pins = [b for b in range(1, piece.stages) if lo[b] == hi[b]]
-        if pins and _window_work(lo, hi) > _SPLIT_WORK_PER_STAGE * piece.stages:
+        if pins and wide:
             return [], _split(piece, pins, lo)
+        if wide and self.exact:
+            starts = self._fewest_top_stages(piece, bound)
+            if starts is not None:
+                return starts, []
         return _lex_dp(self.model, piece, lo, hi, bound), []
+
+    def _fewest_top_stages(self, piece: _Piece, bound: int) -> list[int] | None:
+        """Solve within the narrower windows of partitions with the fewest stages at
+        ``bound`` (the min-max), when that count is small; None when not applicable.
+
+        The count comes from relaxed greedies, so it may fall short of the true
+        minimum; the DP's answer then has more stages at the bound than the
+        count, and is discarded. Otherwise it is the optimum: any partition
+        outside the windows has more stages at the bound, so is worse.
+        """
+        max_count = _COUNT_GREEDY_STEPS // piece.stages - 1
+        fewest = _fewest_top_windows(self.window_form, piece, bound, max_count)
+        if fewest is None:
+            return None
+        count, lo, hi = fewest
+        starts = _lex_dp(self.model, piece, lo, hi, bound)
+        stops = starts[1:] + [piece.stop]
+        peaks = self.model.peaks(np.arange(piece.first, piece.stop_stage), starts, stops)
+        return starts if int(np.count_nonzero(peaks >= bound)) <= count else None
 
     def _windows(self, piece: _Piece, bound: int,
                  greedy_starts: list[int] | None) -> tuple[list[int], list[int]]:
@@ -384,6 +413,78 @@ class _ReachTables:
         nearest = ends[np.minimum(index, len(ends) - 1)]
         cost = self.offset[starts] + self._level(stage, nearest) - self._level(stage, starts)
         return starts[(index < len(ends)) & (cost <= bound)]
+
+
+def _fewest_top_windows(form: LinearForm, piece: _Piece, bound: int,
+                        max_count: int) -> tuple[int, list[int], list[int]] | None:
+    """Windows of the partitions within ``bound`` having at most ``count`` stages
+    at ``bound`` (the rest at most ``bound - 1``), for the smallest ``count`` the
+    relaxed greedies allow; None if that exceeds ``max_count``. Monotone forms."""
+    count, limit = None, 1
+    while count is None and limit <= 2 * max_count:
+        right = _count_greedy(form, piece, bound, min(limit, max_count), from_right=True)
+        count = next((c for c, at in enumerate(right[0]) if at <= piece.start), None)
+        limit *= 2
+    if count is None:
+        return None
+    left = _count_greedy(form, piece, bound, count, from_right=False)
+    lo, hi = [], []
+    for b in range(piece.stages + 1):
+        ranges = [(right[b][c], left[b][count - c]) for c in range(count + 1)
+                  if right[b][c] <= left[b][count - c]]
+        if not ranges:
+            return None
+        lo.append(max(min(r for r, _ in ranges), piece.start + min(b, piece.stages - 1)))
+        hi.append(min(max(g for _, g in ranges), piece.stop - (piece.stages - b)))
+    lo[-1] = hi[-1] = piece.stop
+    return count, lo, hi
+
+
+def _count_greedy(form: LinearForm, piece: _Piece, bound: int, max_count: int,
+                  from_right: bool) -> list[list[int]]:
+    """``at[b][c]``: the extreme position of boundary b over the stages on one side
+    of it using at most c stages above ``bound - 1`` -- lowest when the stages
+    after b are filled from the right, highest when those before b are filled
+    from the left. Relaxed (a stage that fits nothing still advances, or stays)
+    so the results are safe limits."""
+    stages = range(piece.stages - 1, -1, -1) if from_right else range(piece.stages)
+    edge = piece.stop if from_right else piece.start
+    row = [edge] * (max_count + 1)
+    rows = {piece.stages if from_right else 0: row}
+    for b in stages:
+        stretch = _stretch_left if from_right else _stretch_right
+        plain = [stretch(form, piece, b, at, bound - 1) for at in row]
+        top = [stretch(form, piece, b, at, bound) for at in row]
+        pick = min if from_right else max
+        row = [pick(plain[c], top[c - 1]) if c else plain[0] for c in range(max_count + 1)]
+        rows[b if from_right else b + 1] = row
+    return [rows[b] for b in range(piece.stages + 1)]
+
+
+def _stretch_left(form: LinearForm, piece: _Piece, b: int, stop: int, bound: int) -> int:
+    """Lowest start of stage b ending at ``stop`` within ``bound`` (at least one layer)."""
+    k, cap = form.multiplier[piece.first + b], piece.start + b
+    start, total, top = stop - 1, 0, 0
+    while start >= cap:
+        total += form.base[start] + form.activation[start] * k
+        top = max(top, form.transient[start])
+        if total + form.offset[start] + top > bound:
+            break
+        start -= 1
+    return min(start + 1, stop - 1) if stop > cap else stop
+
+
+def _stretch_right(form: LinearForm, piece: _Piece, b: int, start: int, bound: int) -> int:
+    """Highest end of stage b starting at ``start`` within ``bound`` (or ``start``)."""
+    k, cap = form.multiplier[piece.first + b], piece.stop - (piece.stages - 1 - b)
+    stop, total, top = start, 0, 0
+    while stop < cap:
+        total += form.base[stop] + form.activation[stop] * k
+        top = max(top, form.transient[stop])
+        if total + form.offset[start] + top > bound:
+            break
+        stop += 1
+    return stop
 
 
 def _window_work(lo: list[int], hi: list[int]) -> int:
@@ -549,9 +650,10 @@ def _next_guess(lower: int, upper: int | None, fails: list[tuple[int, int]], wid
 #
 # A node's key is the multiset of its path's stage peaks since the last
 # boundary with a single reachable node (earlier peaks are common to every
-# candidate and cancel), stored negated and sorted ascending: a larger key is a
-# lexicographically smaller descending peak vector, and the first entry is
-# minus the largest peak.
+# candidate and cancel), run-length encoded as ``((-peak, -count), ...)`` by
+# descending peak. Among keys of equally many peaks, a larger tuple is a
+# lexicographically smaller descending peak vector; repeated peaks (identical
+# layers) keep keys short.
 
 
 def _lex_dp(model: StageCostModel, piece: _Piece, lo: list[int], hi: list[int],
@@ -562,8 +664,12 @@ def _lex_dp(model: StageCostModel, piece: _Piece, lo: list[int], hi: list[int],
     for b, costs in enumerate(_cost_blocks(model, piece, lo, hi)):
         if sum(top < _INF for top in layer.tops) == 1:
             layer = layer.restarted()
-        step = _dp_step_small if costs.size <= _SMALL_BLOCK else _dp_step_large
-        layer, chosen = step(layer, lo[b], lo[b + 1], costs, bound)
+        if costs is None:
+            layer, chosen = _dp_step_chunked(model, piece.first + b, layer, lo[b], lo[b + 1],
+                                             hi[b + 1], bound)
+        else:
+            step = _dp_step_small if costs.size <= _SMALL_BLOCK else _dp_step_large
+            layer, chosen = step(layer, lo[b], lo[b + 1], costs, bound)
         parents.append(chosen)
     if layer.tops[-1] >= _INF:
         raise RuntimeError(f"internal error: no partition within bound {bound}")
@@ -589,8 +695,10 @@ class _Layer:
 
 
 def _insert(key: tuple, cost: int) -> tuple:
-    at = bisect.bisect_left(key, -cost)
-    return key[:at] + (-cost,) + key[at:]
+    at = bisect.bisect_left(key, (-cost,))
+    if at < len(key) and key[at][0] == -cost:
+        return key[:at] + ((-cost, key[at][1] - 1),) + key[at + 1:]
+    return key[:at] + ((-cost, -1),) + key[at:]
 
 
 def _pick(layer: _Layer, rows: list[int], costs: list[int]) -> tuple[tuple, int]:
@@ -648,15 +756,34 @@ def _dp_step_large(layer: _Layer, row0: int, col0: int, costs: np.ndarray,
     return _Layer(keys=keys, tops=best.tolist()), parents
 
 
+def _dp_step_chunked(model: StageCostModel, stage: int, layer: _Layer, row0: int, col0: int,
+                     col_last: int, bound: int) -> tuple[_Layer, list[int]]:
+    """``_dp_step_large`` over column slices, for blocks too big to hold at once."""
+    rows = np.arange(row0, row0 + len(layer.tops))[:, None]
+    width = max(1, _BLOCK_ENTRIES // len(layer.tops))
+    keys, tops, parents = [], [], []
+    for start in range(col0, col_last + 1, width):
+        cols = np.arange(start, min(start + width, col_last + 1))[None, :]
+        part, chosen = _dp_step_large(layer, row0, start, model.peaks(stage, rows, cols), bound)
+        keys += part.keys
+        tops += part.tops
+        parents += chosen
+    return _Layer(keys=keys, tops=tops), parents
+
+
 def _cost_blocks(model: StageCostModel, piece: _Piece, lo: list[int], hi: list[int]):
-    """Yield, stage by stage, the peaks of every (start, stop) pair the windows allow."""
+    """Yield, stage by stage, the peaks of every (start, stop) pair the windows allow,
+    or None for a stage whose block is too big to compute at once."""
     rows = np.asarray(hi[:-1]) - np.asarray(lo[:-1]) + 1
     cols = np.asarray(hi[1:]) - np.asarray(lo[1:]) + 1
     sizes = rows * cols
     first = 0
     while first < piece.stages:
-        last = first + max(1, int(np.searchsorted(np.cumsum(sizes[first:]), _BLOCK_ENTRIES,
-                                                  side="right")))
+        if sizes[first] > _BLOCK_ENTRIES:
+            yield None
+            first += 1
+            continue
+        last = first + int(np.searchsorted(np.cumsum(sizes[first:]), _BLOCK_ENTRIES, side="right"))
         flat = _flat_peaks(model, piece, lo, first, last, rows, cols)
         offset = 0
         for b in range(first, last):

@@ -15,13 +15,14 @@ import time
 from typing import Callable, Sequence
 
 from tofu_tf import ir
-from tofu_tf.cost.evaluate import StepCost, producer_splits, step_cost
+from tofu_tf.cost.evaluate import StepCost, op_work_seconds, producer_splits, step_cost
 from tofu_tf.cost.hardware import H100_NVLINK, HardwareProfile, profile
 from tofu_tf.cost.memory import Liveness
 from tofu_tf.mesh import MeshSpec, ordered_factorizations
 from tofu_tf.plan import CommCost, Method, Objective, Plan, format_bytes
 from tofu_tf.search import baselines, tofu_dp
 from tofu_tf.search.coarsen import AxisDecision, AxisProblem, GraphIndex, ProblemBuilder, StrategyProvider
+from tofu_tf.search.targets import Target, as_target, pinned_variables, restrict_provider
 
 _MEMORY_LAMBDA = 1.0        # seconds per byte: memory dominates any communication time
 _BISECTION_STEPS = 8
@@ -40,8 +41,10 @@ class _Candidate:
 
     def key(self, objective: Objective) -> tuple:
         if objective is Objective.MEMORY:
-            return (self.cost.memory.peak_bytes, self.cost.comm_seconds)
-        return (self.cost.comm_seconds, self.cost.memory.peak_bytes)
+            return (self.cost.memory.peak_bytes, self.cost.step_seconds)
+        if objective is Objective.COMM:
+            return (self.cost.comm_seconds, self.cost.memory.peak_bytes)
+        return (self.cost.step_seconds, self.cost.memory.peak_bytes)
 
 
 AxisSolver = Callable[[AxisProblem, float], tofu_dp.AxisSolution]
@@ -49,31 +52,38 @@ AxisSolver = Callable[[AxisProblem, float], tofu_dp.AxisSolution]
 
 def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | None = None,
                method: str | Method = "tofu", hardware: HardwareProfile | str = H100_NVLINK,
-               mesh_shape=None, objective: str | Objective = Objective.COMM,
+               mesh_shape=None, objective: str | Objective = Objective.TIME,
                strategy_provider: StrategyProvider | None = None, time_limit_s: float = 60.0,
-               max_states: int = tofu_dp.DEFAULT_MAX_STATES) -> Plan:
+               max_states: int = tofu_dp.DEFAULT_MAX_STATES, target: str | Target = Target.DTENSOR) -> Plan:
     """Plan ``graph`` for ``num_devices`` devices.
 
     ``method``: "tofu" (recursive DP), "ilp" (the same problems as integer
     programs, HiGHS, ``time_limit_s`` per axis), "data_parallel" or "megatron".
     ``memory_budget_bytes`` defaults to the hardware's device memory.
     ``mesh_shape`` fixes the mesh (dict name -> size, or a tuple of sizes).
+    ``objective``: "time" (modeled step seconds: communication + compute), "comm"
+    (communication only) or "memory" (peak bytes). ``target``: "dtensor" keeps
+    only what DTensor can lower (``tofu_tf.search.targets``); "ideal" searches
+    Tofu's whole space.
     """
     start = time.perf_counter()
     method, objective, hardware = Method(method), Objective(objective), profile(hardware)
+    target = as_target(target)
     budget = hardware.memory_bytes if memory_budget_bytes is None else int(memory_budget_bytes)
-    provider = strategy_provider or _default_provider()
-    index = GraphIndex(graph, provider)
+    provider = restrict_provider(strategy_provider or _default_provider(), target, graph)
+    work = op_work_seconds(graph, hardware)
+    index = GraphIndex(graph, provider, pinned=pinned_variables(graph, target),
+                       work={} if objective is Objective.COMM else work)
     liveness = Liveness(graph)
     meshes, restrict = _meshes_and_restriction(method, index, num_devices, mesh_shape)
     solver = _solver(method, max_states, time_limit_s)
-    search = _Search(index, liveness, hardware, solver, restrict)
+    search = _Search(index, liveness, hardware, solver, restrict, work)
     if method in (Method.DATA_PARALLEL, Method.MEGATRON):
         best = min((search.solve(m, 0.0) for m in meshes), key=lambda c: c.key(objective))  # fixed patterns
     else:
         best = search.best_under_budget(meshes, budget, objective)
     return _to_plan(best, graph, method, objective, hardware, memory_budget_bytes,
-                    time.perf_counter() - start, search)
+                    time.perf_counter() - start, search, target)
 
 
 def plan_model(model, *, num_devices: int, batch_size: int, loss="sparse_categorical_crossentropy",
@@ -119,8 +129,8 @@ class _Search:
     """Solves mesh shapes axis by axis, sharing solved prefixes between shapes."""
 
     def __init__(self, index: GraphIndex, liveness: Liveness, hardware: HardwareProfile,
-                 solver: AxisSolver, restrict):
-        self.index, self.liveness, self.hardware = index, liveness, hardware
+                 solver: AxisSolver, restrict, work):
+        self.index, self.liveness, self.hardware, self.work = index, liveness, hardware, work
         self.solver, self.restrict = solver, restrict
         self._prefixes: dict[tuple, tuple[tuple[AxisDecision, ...], bool]] = {}
         self.solves = 0
@@ -140,7 +150,8 @@ class _Search:
                                        exact and solution.exact)
             decisions, exact = self._prefixes[key]
         op_strategies, var_splits = _merge(decisions)
-        cost = step_cost(self.index.graph, mesh, self.hardware, op_strategies, var_splits, liveness=self.liveness)
+        cost = step_cost(self.index.graph, mesh, self.hardware, op_strategies, var_splits, liveness=self.liveness,
+                         work_seconds=self.work)
         self.proved = self.proved and exact
         return _Candidate(mesh, decisions, cost, exact)
 
@@ -232,7 +243,7 @@ def _layout(splits, names, rank) -> tuple:
 
 
 def _to_plan(best: _Candidate, graph: ir.Graph, method: Method, objective: Objective,
-             hardware: HardwareProfile, budget, seconds: float, search: _Search) -> Plan:
+             hardware: HardwareProfile, budget, seconds: float, search: _Search, target: Target) -> Plan:
     names = _axis_names(best, search.index, method)
     op_strategies, var_splits = _merge(best.decisions)
     produced = producer_splits(graph, op_strategies, len(names))
@@ -258,7 +269,8 @@ def _to_plan(best: _Candidate, graph: ir.Graph, method: Method, objective: Objec
         comm_by_layer={k: CommCost(*v) for k, v in cost.by_layer.items()},
         memory=cost.memory, search_seconds=seconds, hardware=hardware.name, objective=objective,
         memory_budget_bytes=budget, proved_optimal=(best.exact if method is Method.ILP else None),
-        notes=_notes(graph, best.mesh, variable_layouts))
+        notes=_notes(graph, best.mesh, variable_layouts), compute_seconds=cost.compute_seconds,
+        target=target.value)
 
 
 def _notes(graph: ir.Graph, mesh: MeshSpec, variable_layouts) -> tuple[str, ...]:

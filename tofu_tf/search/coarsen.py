@@ -26,10 +26,27 @@ consumer option ``b``) is the collective of ``tofu_tf.cost.collectives`` for
 ``t``'s bytes after the splits the consumer already required on axes ``< k``
 (Tofu's recursion: shapes shrink as axes are applied).
 
-Node order: ops are grouped into *stages* by Keras layer (forward and backward
-of one layer together, as Tofu coarsens a layer with its gradient), stages in
-order of the layer's first forward op, ops within a stage in schedule order.
-On layer chains this keeps the set of tensors crossing any cut small.
+Node order (Tofu's coarsening of a forward op with its backward ops): every
+backward op (``gradient_tape/...``, or anything computed from one) is anchored
+to the forward op whose name scope its name repeats (``gradient_tape/m/d/MatMul_1``
+-> ``m/d/MatMul``); gradient sums without such a name go with their earliest
+producer. Nodes are sorted by their anchor's schedule position, a forward op
+followed by its backward ops, so DP cuts follow the forward graph's cuts.
+
+**Gradient ties.** A forward tensor :math:`y` (output of node ``Q``) and its
+gradient :math:`dy` (made by a later backward node ``P``, consumed by ``Q``'s
+backward ops ``C``) are tied, as Tofu ties a tensor to its gradient: ``dy`` is
+produced split like ``y`` (or, when ``y`` is whole, whole or as partial sums --
+``Q``'s options are doubled to say which). The ``P -> C`` edges are then priced
+from ``Q``'s option (``Q`` precedes both) and an edge ``Q -> P`` forbids (with a
+penalty of ``TIE_PENALTY`` seconds) any ``P`` option producing ``dy`` otherwise.
+So a cut never holds a backward consumer's choice: its state is the forward
+cut's.
+
+**Compute.** Each option also carries the compute seconds of its ops
+(``tofu_tf.cost.compute``): an op's work divided by the devices earlier axes
+split it over, and by this axis's size unless the option replicates it. The
+unary cost of an option is its communication plus its compute.
 """
 
 from __future__ import annotations
@@ -41,11 +58,16 @@ import numpy as np
 
 from tofu_tf import ir
 from tofu_tf.cost.collectives import transfer_seconds
+from tofu_tf.cost.compute import is_split
 from tofu_tf.cost.hardware import Link
 from tofu_tf.cost.memory import ALIAS_OPS, Liveness, alias_map
-from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, TensorSplit, replicate_all
+from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, Reduction, TensorSplit, replicate_all
+
+P_SUM = TensorSplit(partial=Reduction.SUM)
 
 StrategyProvider = Callable[[ir.Op, ir.Graph, int], Sequence[OpStrategy]]
+TIE_PENALTY = 1e3   # seconds: larger than any step, so a broken gradient tie never wins
+_GRADIENT_SCOPE = "gradient_tape/"
 
 _READ_OPS = frozenset({"ReadVariableOp"})
 _ASSIGN_OPS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
@@ -87,9 +109,12 @@ class AxisDecision:
 class GraphIndex:
     """Everything about a graph the per-axis problems share (built once per graph)."""
 
-    def __init__(self, graph: ir.Graph, provider: StrategyProvider):
+    def __init__(self, graph: ir.Graph, provider: StrategyProvider, *, pinned: frozenset[str] = frozenset(),
+                 work: Mapping[str, float] | None = None, tie_gradients: bool = True):
         self.graph = graph
         self.provider = provider
+        self.pinned = pinned               # weight paths that stay replicated (the lowering target's rule)
+        self.work = dict(work or {})       # op -> compute seconds when not split
         self.ops = {op.name: op for op in graph.ops}
         self.position = {op.name: i for i, op in enumerate(graph.ops)}
         self.aliases = alias_map(graph)
@@ -100,8 +125,15 @@ class GraphIndex:
         decided = self.free_ops | self.alias_ops | set(self.group_of_op) | set(self.input_ops)
         self.plain_ops = tuple(op.name for op in graph.ops
                                if op.name not in decided and self._byte_tensors(op))
+        self._plain_set = frozenset(self.plain_ops)
         self.uses = self._uses()
-        self.stage = self._stages()
+        self.backward, self.anchor = self._anchors()
+        self._order = self._node_order()
+        self.order_of = {name: i for i, name in enumerate(self._order)}
+        self.ties = self._ties() if tie_gradients else {}
+        self.tied_outputs: dict[str, tuple[int, ...]] = {}
+        for q, k in set(self.ties.values()):
+            self.tied_outputs[q] = tuple(sorted(set(self.tied_outputs.get(q, ())) | {k}))
         self.peak_live = self._peak_live()
         self._strategy_cache: dict[tuple[str, int], tuple[OpStrategy, ...]] = {}
 
@@ -225,40 +257,65 @@ class GraphIndex:
                 out.append((op.name, j, source))
         return tuple(out)
 
-    def _stages(self) -> dict[str, int]:
-        """Stage of each node: the rank of its Keras layer scope; an op outside layers
-        joins the earliest stage among the ops feeding it (a gradient accumulation
-        between blocks goes with the later block's backward, the loss with the last
-        layer). Sources (inputs, variable reads, constants) do not pull ops to them."""
-        layer_rank: dict[str, int] = {}
-        stage: dict[str, int] = {}
-        tensors = self.graph.tensors
-        sources = self.free_ops | set(self.input_ops) | set(self.group_of_op)
-        for op in self.graph.ops:
-            if op.layer is not None:
-                scope = _layer_scope(op)
-                layer_rank.setdefault(scope, len(layer_rank))
-                stage[op.name] = layer_rank[scope]
-            elif op.name not in sources:
-                producers = [tensors[t].producer for t in op.inputs if t in tensors]
-                stage[op.name] = min((stage[p] for p in producers if p in stage), default=0)
-        node_stage: dict[str, int] = {}
-        for name in self.plain_ops:
-            node_stage[name] = stage.get(name, 0)
+    def _anchors(self) -> tuple[frozenset[str], dict[str, float]]:
+        """Backward ops, and per op the schedule position of the forward op it belongs to."""
+        graph, tensors, pos = self.graph, self.graph.tensors, self.position
+        backward: set[str] = set()
+        for op in graph.ops:
+            if op.name in self.group_of_op:
+                continue
+            if op.name.startswith(_GRADIENT_SCOPE) or any(
+                    tensors[t].producer in backward for t in op.inputs if t in tensors):
+                backward.add(op.name)
+        scope_last: dict[str, int] = {}
+        for op in graph.ops:
+            if op.name not in backward:
+                parts = op.name.split("/")
+                for i in range(1, len(parts)):
+                    scope_last["/".join(parts[:i])] = pos[op.name]
+        anchor: dict[str, float] = {}
+        for op in graph.ops:
+            if op.name not in backward:
+                anchor[op.name] = pos[op.name]
+            elif op.name.startswith(_GRADIENT_SCOPE):
+                parts = op.name[len(_GRADIENT_SCOPE):].split("/")
+                for i in range(len(parts), 0, -1):
+                    prefix = "/".join(parts[:i])
+                    if prefix in self.ops and prefix not in backward:
+                        anchor[op.name] = pos[prefix]
+                        break
+                    if prefix in scope_last:
+                        anchor[op.name] = scope_last[prefix]
+                        break
+        for op in graph.ops:      # gradient sums: with their earliest backward producer
+            if op.name in backward and op.name not in anchor:
+                found = [anchor[tensors[t].producer] for t in op.inputs
+                         if t in tensors and tensors[t].producer in backward and tensors[t].producer in anchor]
+                if found:
+                    anchor[op.name] = min(found)
         consumers = self._consumers_through_aliases()
-        for op_name in self.input_ops:
-            users = [stage[c] for t in self.ops[op_name].outputs for c in consumers.get(t, ()) if c in stage]
-            node_stage[op_name] = min(users, default=0)
-        for key, group in self.groups.items():
-            users = [stage[c] for r in group.reads for t in self.ops[r].outputs for c in consumers.get(t, ())
-                     if c in stage]
-            node_stage["var:" + key] = min(users, default=0)
-        return node_stage
+        for op in reversed(graph.ops):
+            if op.name not in anchor:
+                found = [anchor[c] for t in op.outputs for c in consumers.get(t, ()) if c in anchor]
+                anchor[op.name] = min(found) if found else pos[op.name]
+        return frozenset(backward), anchor
+
+    def _node_key(self, node: str) -> tuple:
+        consumers = self._consumers_through_aliases()
+        if node.startswith("var:") or node in self.input_ops:
+            producers = self.groups[node[4:]].reads if node.startswith("var:") else (node,)
+            users = [self.anchor[c] for r in producers for t in self.ops[r].outputs for c in consumers.get(t, ())
+                     if c in self.anchor and c not in self.group_of_op]
+            return (min(users, default=0) - 0.5, 0, self.first_position(node))
+        return (self.anchor[node], int(node in self.backward), self.position[node])
+
+    def _node_order(self) -> tuple[str, ...]:
+        names = list(self.input_ops) + ["var:" + k for k in self.groups] + list(self.plain_ops)
+        return tuple(sorted(names, key=self._node_key))
 
     def node_names(self) -> list[str]:
-        """Decision nodes in DP order: by stage, then by first op in the schedule."""
-        names = list(self.input_ops) + ["var:" + k for k in self.groups] + list(self.plain_ops)
-        return sorted(names, key=lambda n: (self.stage[n], self.first_position(n)))
+        """Decision nodes in DP order: by anchor (forward op, then its backward ops)."""
+        return list(self._order)
 
     def first_position(self, node: str) -> int:
         if node.startswith("var:"):
@@ -266,6 +323,27 @@ class GraphIndex:
             members = group.reads + group.assigns + group.folded
             return min((self.position[m] for m in members), default=0)
         return self.position[node]
+
+    def _ties(self) -> dict[tuple[str, int], tuple[str, int]]:
+        """(backward consumer, input index) -> (forward op, output index) whose gradient it reads."""
+        tensors, order = self.graph.tensors, self.order_of
+        ties: dict[tuple[str, int], tuple[str, int]] = {}
+        for consumer, j, source in self.uses:
+            producer = tensors[source].producer
+            if consumer not in self.backward or producer not in self.backward or consumer not in order:
+                continue
+            if producer not in order or order[producer] < order[consumer]:
+                continue
+            forward = self.graph.ops[int(self.anchor[consumer])]
+            if forward.name not in self._plain_set or forward.name in self.backward or \
+                    order[forward.name] >= order[consumer]:
+                continue
+            shape = tensors[source].shape
+            for k, out in enumerate(forward.outputs):
+                if out in tensors and tensors[out].shape == shape and has_bytes(tensors[out]) and tensors[out].rank:
+                    ties[consumer, j] = (forward.name, k)
+                    break
+        return ties
 
     def _peak_live(self) -> frozenset[str]:
         """Tensors alive at the peak of the unpartitioned step: the Lagrangian's memory proxy."""
@@ -287,6 +365,17 @@ class GraphIndex:
                 found = (rep,) + found
             self._strategy_cache[key] = found
         return self._strategy_cache[key]
+
+
+def _grad_choices(strategy: OpStrategy, tied: Sequence[int]) -> list[tuple[tuple[int, TensorSplit], ...]]:
+    """How the gradients of ``strategy``'s tied outputs may be produced: split like the
+    output, or (output whole or partial) whole or as partial sums."""
+    choices: list[tuple[tuple[int, TensorSplit], ...]] = [()]
+    for k in tied:
+        out = strategy.outputs[k] if k < len(strategy.outputs) else REPLICATED
+        grads = [TensorSplit(out.dim)] if out.dim is not None else [REPLICATED, P_SUM]
+        choices = [c + ((k, g),) for c in choices for g in grads]
+    return choices
 
 
 def _layer_scope(op: ir.Op) -> str:
@@ -311,13 +400,19 @@ def _same_splits(a: OpStrategy, b: OpStrategy) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Option:
     """One choice of a node: a strategy for each member op, a split per variable,
-    the communication inside the node (seconds) and its memory proxy (bytes)."""
+    the communication inside the node (seconds), its memory proxy (bytes), its
+    compute seconds, and (for tied outputs) how the output's gradient is produced."""
 
     label: str
     strategies: Mapping[str, OpStrategy]
     var_splits: Mapping[str, TensorSplit]
     comm: float
     memory: float
+    compute: float = 0.0
+    grads: tuple[tuple[int, TensorSplit], ...] = ()
+
+    def grad(self, output: int) -> TensorSplit:
+        return dict(self.grads)[output]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,15 +435,22 @@ class Edge:
 class AxisProblem:
     nodes: tuple[Node, ...]
     edges: tuple[Edge, ...]
-    unary: tuple[np.ndarray, ...]   # per node, per option: comm seconds incl. edges to fixed nodes
+    unary: tuple[np.ndarray, ...]   # per node, per option: comm + compute seconds incl. edges to fixed nodes
     memory: tuple[np.ndarray, ...]  # per node, per option: memory proxy bytes
 
     def objective(self, choice: Sequence[int], lam: float) -> float:
         total = sum(self.unary[i][c] + lam * self.memory[i][c] for i, c in enumerate(choice))
         return float(total + sum(e.cost[choice[e.u], choice[e.v]] for e in self.edges))
 
-    def comm(self, choice: Sequence[int]) -> float:
+    def time(self, choice: Sequence[int]) -> float:
+        """Modeled seconds of this axis's choice: communication plus compute."""
         return self.objective(choice, 0.0)
+
+    def compute(self, choice: Sequence[int]) -> float:
+        return float(sum(self.nodes[i].options[c].compute for i, c in enumerate(choice)))
+
+    def comm(self, choice: Sequence[int]) -> float:
+        return self.time(choice) - self.compute(choice)
 
 
 class ProblemBuilder:
@@ -364,7 +466,8 @@ class ProblemBuilder:
         names = self.index.node_names()
         nodes = [Node(name, tuple(self._options(name))) for name in names]
         position = {node.name: i for i, node in enumerate(nodes)}
-        unary = [np.asarray([o.comm for o in node.options], dtype=np.float64) for node in nodes]
+        unary = [np.asarray([o.comm + o.compute for o in node.options], dtype=np.float64) for node in nodes]
+        self._tied_done: set[str] = set()
         memory = [np.asarray([o.memory for o in node.options], dtype=np.float64) for node in nodes]
         pair_costs: dict[tuple[int, int], np.ndarray] = {}
         for consumer, j, source in self.index.uses:
@@ -394,13 +497,28 @@ class ProblemBuilder:
         used = {d.var_splits[group.key].dim for d in self.prior} - {None}
         shrink = self._prior_factor(group.key)
         options = []
-        for split in self._legal_splits(group.shape, used):
+        splits = [REPLICATED] if group.key in self.index.pinned else self._legal_splits(group.shape, used)
+        for split in splits:
             strategies = self._group_strategies(group, split)
             if strategies is None:
                 continue
             per_device = group.nbytes / shrink / (self.n if split.dim is not None else 1)
-            options.append(Option(split.text(), strategies, {p: split for p in group.paths}, 0.0, per_device))
+            compute = sum(self._compute(op, strategy) for op, strategy in strategies.items())
+            options.append(Option(split.text(), strategies, {p: split for p in group.paths}, 0.0, per_device,
+                                  compute))
         return options
+
+    def _compute(self, op_name: str, strategy: OpStrategy) -> float:
+        """Seconds of ``op_name`` on one device: its work over the devices splitting it so far."""
+        work = self.index.work.get(op_name, 0.0)
+        if not work:
+            return 0.0
+        factor = self.n if is_split(strategy) else 1
+        for d in self.prior:
+            prev = d.op_strategies.get(op_name)
+            if prev is not None and is_split(prev):
+                factor *= d.size
+        return work / factor
 
     def _group_strategies(self, group: VarGroup, split: TensorSplit) -> dict[str, OpStrategy] | None:
         out: dict[str, OpStrategy] = {}
@@ -445,7 +563,11 @@ class ProblemBuilder:
                     split = strategy.outputs[i] if i < len(strategy.outputs) else REPLICATED
                     memory += self.tensors[t].num_bytes / self._prior_factor(name, output=i) / (
                         self.n if split.dim is not None else 1)
-            options.append(Option(strategy.name, {name: strategy}, {}, 0.0, memory))
+            compute = self._compute(name, strategy)
+            tied = self.index.tied_outputs.get(name, ())
+            for grads in _grad_choices(strategy, tied):
+                label = strategy.name + "".join(f"/d{k}={g.text()}" for k, g in grads if g.partial is not None)
+                options.append(Option(label, {name: strategy}, {}, 0.0, memory, compute, grads))
         return options
 
     def _strategy_legal(self, name: str, strategy: OpStrategy) -> bool:
@@ -484,15 +606,38 @@ class ProblemBuilder:
         out_index = self.index.ops[producer].outputs.index(source)
         cu, pu = position[self.index.owner(consumer)], position[self.index.owner(producer)]
         nbytes = tensor.num_bytes / self._prior_factor(consumer, input=j)
-        src = [o.strategies[producer].outputs[out_index] for o in nodes[pu].options]
+        tie = self.index.ties.get((consumer, j))
+        if tie is not None:
+            forward, k = tie
+            qu = position[forward]
+            self._add_tie(qu, k, pu, producer, out_index, source, nodes, unary, pair_costs)
+            src = [o.grad(k) for o in nodes[qu].options]
+            pu = qu
+        else:
+            src = [o.strategies[producer].outputs[out_index] for o in nodes[pu].options]
         dst = [o.strategies[consumer].inputs[j] for o in nodes[cu].options]
         table = {(s, d): transfer_seconds(s, d, nbytes, self.n, self.link) for s in set(src) for d in set(dst)}
         cost = np.asarray([[table[s, d] for d in dst] for s in src], dtype=np.float64)
+        self._add_matrix(cu, pu, cost, unary, pair_costs)
+
+    def _add_tie(self, qu, k, pu, producer, out_index, source, nodes, unary, pair_costs) -> None:
+        """Once per tied gradient: its producer must make it as the forward node's option says."""
+        if source in self._tied_done:
+            return
+        self._tied_done.add(source)
+        want = [o.grad(k) for o in nodes[qu].options]
+        made = [o.strategies[producer].outputs[out_index] for o in nodes[pu].options]
+        cost = np.asarray([[0.0 if w == m else TIE_PENALTY for m in made] for w in want], dtype=np.float64)
+        self._add_matrix(pu, qu, cost, unary, pair_costs)
+
+    @staticmethod
+    def _add_matrix(cu, pu, cost, unary, pair_costs) -> None:
+        """Add ``cost[producer option, consumer option]`` between two nodes (or to a unary)."""
         if cu == pu:
             unary[cu] += np.diagonal(cost)
-        elif len(src) == 1:
+        elif cost.shape[0] == 1:
             unary[cu] += cost[0]
-        elif len(dst) == 1:
+        elif cost.shape[1] == 1:
             unary[pu] += cost[:, 0]
         else:
             u, v = (pu, cu) if pu < cu else (cu, pu)

@@ -70,5 +70,34 @@ def lower(mesh_shape: Mapping[str, int], variable_layouts: Mapping[str, tuple],
         if layout and layout[0] is not None:
             batch_axis = layout[0]
             break
-    return Lowered(mesh=make_mesh(mesh_shape, devices), variable_layouts=dict(variable_layouts),
+    return Lowered(mesh=make_mesh(mesh_shape, devices), variable_layouts=dtensor_natural(variable_layouts),
                    batch_axis=batch_axis)
+
+
+# Keras parameters that meet an activation's feature dim inside one op. DTensor
+# expands such an op only when both carry the same split, and a plan may price a
+# conversion between them that DTensor will not insert; these stay replicated.
+_FEATURE_PARAMETERS = ("gamma", "beta", "moving_mean", "moving_variance")
+
+
+def dtensor_natural(variable_layouts: Mapping[str, tuple]) -> dict[str, tuple]:
+    """Variable layouts DTensor's per-op expanders accept as they meet in one op.
+
+    * a bias takes its kernel's output-dim axis (DTensor refuses a BiasAdd whose
+      operands are split on different axes);
+    * normalization parameters stay replicated;
+    * an embedding table is not split on its vocabulary rows (DTensor's
+      ResourceGather refuses a sharded dim 0).
+    Slots (``.../m/<path>``) follow their weight's adjusted layout.
+    """
+    adjusted = dict(variable_layouts)
+    for path, layout in variable_layouts.items():
+        leaf = path.rsplit("/", 1)[-1]
+        kernel = adjusted.get(path[: -len(leaf)] + "kernel")
+        if leaf == "bias" and kernel and len(layout) == 1:
+            adjusted[path] = (kernel[-1],)
+        elif leaf in _FEATURE_PARAMETERS:
+            adjusted[path] = (None,) * len(layout)
+        elif leaf == "embeddings" and layout:
+            adjusted[path] = (None,) + tuple(layout[1:])
+    return adjusted

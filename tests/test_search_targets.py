@@ -1,0 +1,82 @@
+"""Lowering targets: the DTensor target drops what DTensor cannot lower; "ideal" keeps Tofu's space."""
+
+import pytest
+from tests.test_search_support import GraphBuilder
+
+from tofu_tf import ir
+from tofu_tf.search import plan_graph
+from tofu_tf.search.legality import check_plan
+from tofu_tf.search.targets import Target, as_target, dtensor_lowerable, pinned_variables
+from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, Reduction, TensorSplit
+
+P = TensorSplit(partial=Reduction.SUM)
+
+
+def _conv_graph():
+    b = GraphBuilder()
+    x = b.input("x", (8, 16, 16, 4))
+    f = b.weight("conv/kernel", (3, 3, 4, 8), "conv")
+    b.op("conv/Conv2D", "Conv2D", (x, f), [(8, 16, 16, 8)], layer="conv")
+    return b.build()
+
+
+def test_conv_runs_batch_split_only():
+    graph = _conv_graph()
+    op = graph.op("conv/Conv2D")
+    batch = OpStrategy("n", (TensorSplit(0), REPLICATED), (TensorSplit(0),))
+    channels = OpStrategy("co", (REPLICATED, TensorSplit(3)), (TensorSplit(3),))
+    reduce_ci = OpStrategy("ci", (TensorSplit(3), TensorSplit(2)), (P,))
+    spatial = OpStrategy("h", (TensorSplit(1), REPLICATED), (TensorSplit(1),))
+    assert dtensor_lowerable(op, graph, batch, has_conv=True)
+    assert not any(dtensor_lowerable(op, graph, s, has_conv=True) for s in (channels, reduce_ci, spatial))
+
+
+def test_split_and_unpack_keep_their_axis_whole():
+    b = GraphBuilder()
+    x = b.input("x", (8, 4, 6))
+    axis = b.tensor("axis:0", (), dtype="int32", const_value=2)
+    b.op("split", "Split", (axis, x), [(8, 4, 3), (8, 4, 3)])
+    b.op("unpack", "Unpack", (x,), [(8, 6)] * 4, attrs={"axis": 1})
+    graph = b.build()
+    split, unpack = graph.op("split"), graph.op("unpack")
+    along = OpStrategy("d2", (REPLICATED, TensorSplit(2)), (TensorSplit(2), TensorSplit(2)))
+    across = OpStrategy("d0", (REPLICATED, TensorSplit(0)), (TensorSplit(0), TensorSplit(0)))
+    assert not dtensor_lowerable(split, graph, along) and dtensor_lowerable(split, graph, across)
+    stacked = OpStrategy("d1", (TensorSplit(1),), (REPLICATED,) * 4)
+    batch = OpStrategy("d0", (TensorSplit(0),), (TensorSplit(0),) * 4)
+    assert not dtensor_lowerable(unpack, graph, stacked) and dtensor_lowerable(unpack, graph, batch)
+
+
+def test_unknown_target_names_the_choices():
+    assert as_target("ideal") is Target.IDEAL
+    with pytest.raises(ValueError, match="'dtensor'.*'ideal'"):
+        as_target("xla")
+
+
+@pytest.fixture(scope="module")
+def captured():
+    from tofu_tf import models
+    from tofu_tf.tf.capture import capture_training_step
+    kwargs = dict(loss="sparse_categorical_crossentropy", optimizer="adam")
+    return {
+        "cnn": capture_training_step(models.cnn(image_size=8, channels=8), batch_size=8, **kwargs),
+        "rnn": capture_training_step(models.rnn(num_layers=2, hidden=16, seq_len=4, input_dim=8, unroll=True),
+                                     batch_size=8, **kwargs),
+    }
+
+
+@pytest.mark.parametrize("key,kinds", [("cnn", ("conv_", "bn_")), ("rnn", ("lstm",))])
+def test_dtensor_plans_keep_conv_bn_and_lstm_weights_replicated(captured, key, kinds):
+    graph = captured[key]
+    plan = plan_graph(graph, num_devices=8, target="dtensor", hardware="cpu-virtual")
+    check_plan(graph, plan, num_devices=8)
+    pinned = pinned_variables(graph, Target.DTENSOR)
+    watched = [p for p in graph.variables if any(k in p for k in kinds) and graph.variables[p].shape]
+    assert watched and all(p in pinned or graph.variables[p].slot_of in pinned for p in watched)
+    for path in watched:
+        assert set(plan.variable_layouts[path]) == {None}, (path, plan.variable_layouts[path])
+    assert plan.target == "dtensor"
+    for name, layout in plan.tensor_layouts.items():
+        tensor = graph.tensors[name]
+        if key == "cnn" and tensor.rank == 4:
+            assert all(a is None for a in layout[1:]), (name, layout)
