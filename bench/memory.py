@@ -100,16 +100,18 @@ def _run_megatron_layoutmap():
     return time.perf_counter() - start
 
 
-def _run_tofu():
+def _run_tofu(method="tofu"):
     import tf_keras as keras
     from tofu_tf import TofuStrategy
-    strategy = TofuStrategy(NUM_DEVICES)
+    strategy = TofuStrategy(NUM_DEVICES, method=method)
     seconds = _fit_in_scope(strategy, keras)
     print(strategy.plan.summary(), file=sys.stderr)
     return seconds
 
 
-RUNNERS = {"data_parallel": _run_data_parallel, "megatron_layoutmap": _run_megatron_layoutmap, "tofu": _run_tofu}
+RUNNERS = {"data_parallel": _run_data_parallel, "megatron_layoutmap": _run_megatron_layoutmap, "tofu": _run_tofu,
+           # the Megatron pattern chosen through TofuStrategy: separates the plan from the machinery
+           "tofu_megatron": lambda: _run_tofu("megatron")}
 
 
 def _child(method):

@@ -76,11 +76,15 @@ PCIE_GPU = HardwareProfile(
     intra_node=Link(bandwidth=25 * GB, latency=10e-6),     # PCIe 4.0 x16, effective
     inter_node=Link(bandwidth=12.5 * GB, latency=20e-6),   # 100 Gb/s Ethernet/IB
     flops=50e12, memory_bandwidth=600 * GB)                 # a 24 GiB PCIe card (A10/L4 class), TF32
+# Calibrated on the project's 2-core machine, 8 virtual CPU devices, TF 2.21 DTensor
+# (bench/calibrate_cpu.py): an all-gather of 1/16/64 MiB took 16/127/710 ms, i.e. about 10 ms
+# per collective plus ~0.1 GB/s; eight devices sharing two cores ran a replicated
+# 16x4096x4096 matmul in 129 ms, about 4 GFLOP/s per device.
 CPU_VIRTUAL = HardwareProfile(
     "cpu-virtual", devices_per_node=1024, memory_bytes=3 * GIB,
-    intra_node=Link(bandwidth=10 * GB, latency=50e-6),     # memcpy between virtual CPU devices
-    inter_node=Link(bandwidth=1.25 * GB, latency=100e-6),  # loopback gRPC between processes
-    flops=20e9, memory_bandwidth=5 * GB)                    # a share of a few host cores per virtual device
+    intra_node=Link(bandwidth=0.1 * GB, latency=10e-3),    # DTensor collectives between virtual CPUs
+    inter_node=Link(bandwidth=0.1 * GB, latency=20e-3),    # loopback gRPC between processes
+    flops=4e9, memory_bandwidth=1 * GB)                     # two host cores shared by the devices
 
 PROFILES = {p.name: p for p in (H100_NVLINK, H200_NVLINK, PCIE_GPU, CPU_VIRTUAL)}
 
