@@ -42,8 +42,9 @@ def random_analytic_chain(num_layers: int, seed: int) -> list[LayerStats]:
     state = rng.integers(1 << 20, 1 << 24, num_layers)
     act = rng.integers(1 << 18, 1 << 22, num_layers)
     transient = rng.integers(1 << 16, 1 << 20, num_layers)
+    columns = enumerate(zip(state, act, transient))
     return [LayerStats(name=f"layer_{i}", state_bytes=int(s), activation_bytes=int(a),
-                       transient_bytes=int(t)) for i, (s, a, t) in enumerate(zip(state, act, transient))]
+                       transient_bytes=int(t)) for i, (s, a, t) in columns]
 
 
 def random_measured_chain(num_layers: int, seed: int) -> list[LayerStats]:
@@ -90,13 +91,15 @@ def cnn_chain(micro_batch=32) -> list[LayerStats]:
             params = 9 * channels * channels
             pixels = micro_batch * size * size
             chain.append(LayerStats(
-                name=f"conv{stage}_{i}", state_bytes=16 * params, activation_bytes=4 * 2 * pixels * channels,
+                name=f"conv{stage}_{i}", state_bytes=16 * params,
+                activation_bytes=4 * 2 * pixels * channels,
                 transient_bytes=4 * pixels * channels, param_count=params,
                 compute_seconds=6 * pixels * params / flops_per_second))
     for name, fan_in, fan_out in [("fc", 512 * 7 * 7, 16384), ("classifier", 16384, 1000)]:
         params = fan_in * fan_out
         chain.append(LayerStats(
-            name=name, state_bytes=16 * params, activation_bytes=4 * micro_batch * (fan_in + fan_out),
+            name=name, state_bytes=16 * params,
+            activation_bytes=4 * micro_batch * (fan_in + fan_out),
             transient_bytes=4 * micro_batch * fan_out, param_count=params,
             compute_seconds=6 * micro_batch * params / flops_per_second))
     return chain

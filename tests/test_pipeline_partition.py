@@ -85,6 +85,12 @@ def _reference_dp(table, n, p):
     return layer[n]
 
 
+def _assert_matches_reference(plan, layers, schedule, m):
+    n, p = len(layers), plan.num_stages
+    table = _peak_table(layers, p, schedule, m)
+    assert _lex_key(plan.stage_peak_bytes) == _reference_dp(table, n, p)
+
+
 def _check_plan(plan, layers, p, schedule, m):
     n = len(layers)
     assert plan.boundaries[0] == 0 and len(plan.boundaries) == p
@@ -98,10 +104,13 @@ def _check_plan(plan, layers, p, schedule, m):
 # --------------------------------------------------------------------------- exactness
 
 
-@pytest.mark.parametrize("kind", ["analytic", "monotone", "offsets", "mixed"])
+KINDS = ["analytic", "monotone", "offsets", "mixed"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_optimal_matches_brute_force_on_small_chains(kind, schedule):
-    rng = np.random.default_rng(hash((kind, schedule)) % 2**32)
+    rng = np.random.default_rng([KINDS.index(kind), len(schedule)])
     for trial in range(40):
         n = int(rng.integers(1, 10))
         p = int(rng.integers(1, min(n, 4) + 1))
@@ -135,9 +144,8 @@ def test_tie_breaking_prefers_balanced_rest_over_min_max_only():
 
 def test_optimal_matches_reference_dp_on_many_random_chains():
     rng = np.random.default_rng(2024)
-    kinds = ["analytic", "monotone", "offsets", "mixed"]
     for trial in range(1200):
-        kind = kinds[trial % 4]
+        kind = KINDS[trial % 4]
         n = int(rng.integers(2, 12))
         p = int(rng.integers(1, min(n, 5) + 1))
         m = int(rng.integers(1, 9))
@@ -155,7 +163,7 @@ def test_optimal_matches_reference_dp_on_longer_chains(kind):
         n, p, m = 40, 7, int(rng.integers(1, 12))
         layers = _random_chain(rng, n, kind, scale=1000)
         plan = partition(layers, p, schedule="1f1b", num_microbatches=m)
-        assert _lex_key(plan.stage_peak_bytes) == _reference_dp(_peak_table(layers, p, "1f1b", m), n, p)
+        _assert_matches_reference(plan, layers, "1f1b", m)
 
 
 @pytest.mark.parametrize("split_work, small_block", [(0, 64), (64, 0), (0, 0)])
@@ -165,7 +173,7 @@ def test_internal_paths_stay_exact(monkeypatch, split_work, small_block):
     monkeypatch.setattr(partition_module, "_SMALL_BLOCK", small_block)
     rng = np.random.default_rng(99)
     for trial in range(150):
-        kind = ["analytic", "monotone", "offsets", "mixed"][trial % 4]
+        kind = KINDS[trial % 4]
         n = int(rng.integers(2, 11))
         p = int(rng.integers(1, min(n, 5) + 1))
         m = int(rng.integers(1, 9))
@@ -173,6 +181,77 @@ def test_internal_paths_stay_exact(monkeypatch, split_work, small_block):
         plan = partition(layers, p, schedule="1f1b", num_microbatches=m)
         table = _peak_table(layers, p, "1f1b", m)
         assert _lex_key(plan.stage_peak_bytes) == _reference_dp(table, n, p)
+
+
+def test_huge_blocks_are_processed_in_column_slices(monkeypatch):
+    monkeypatch.setattr(partition_module, "_BLOCK_ENTRIES", 4)
+    monkeypatch.setattr(partition_module, "_SMALL_BLOCK", 0)
+    rng = np.random.default_rng(17)
+    for trial in range(60):
+        kind = ["analytic", "offsets", "mixed"][trial % 3]
+        n = int(rng.integers(3, 11))
+        p = int(rng.integers(2, min(n, 4) + 1))
+        layers = _random_chain(rng, n, kind)
+        plan = partition(layers, p, schedule="gpipe", num_microbatches=3)
+        _assert_matches_reference(plan, layers, "gpipe", 3)
+
+
+def test_heuristic_bound_with_exhausted_probe_budget(monkeypatch):
+    monkeypatch.setattr(partition_module, "_HEURISTIC_PROBES", 1)
+    rng = np.random.default_rng(23)
+    for trial in range(60):
+        n = int(rng.integers(3, 10))
+        p = int(rng.integers(2, min(n, 4) + 1))
+        layers = _random_chain(rng, n, ["offsets", "mixed"][trial % 2])
+        plan = partition(layers, p, schedule="1f1b", num_microbatches=4)
+        _assert_matches_reference(plan, layers, "1f1b", 4)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_identical_layers_use_fewest_top_stage_windows(monkeypatch, schedule):
+    """Which stages take the extra layers is free at the top level: the search
+    narrows to partitions with the fewest stages at the min-max, and certifies it."""
+    calls = []
+    original = partition_module._fewest_top_windows
+
+    def spy(*args):
+        calls.append(original(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(partition_module, "_fewest_top_windows", spy)
+    monkeypatch.setattr(partition_module, "_SPLIT_WORK_PER_STAGE", 0)
+    layers = [_layer(i, 100, 10, 0) for i in range(61)]
+    plan = partition(layers, 12, schedule=schedule, num_microbatches=6)
+    assert any(found is not None for found in calls)
+    assert _lex_key(plan.stage_peak_bytes) == _reference_dp(
+        _peak_table(layers, 12, schedule, 6), 61, 12)
+
+
+@pytest.mark.parametrize("sabotage", ["understate_count", "no_count_budget"])
+def test_fewest_top_stage_windows_fall_back_when_not_certified(monkeypatch, sabotage):
+    """An understated count is caught by the certificate; without a budget the
+    plain windows are used. Either way the answer stays exact."""
+    original = partition_module._fewest_top_windows
+
+    def understated(*args):
+        found = original(*args)
+        return found if found is None or found[0] == 0 else (found[0] - 1, *found[1:])
+
+    monkeypatch.setattr(partition_module, "_SPLIT_WORK_PER_STAGE", 0)
+    if sabotage == "understate_count":
+        monkeypatch.setattr(partition_module, "_fewest_top_windows", understated)
+    else:
+        monkeypatch.setattr(partition_module, "_COUNT_GREEDY_STEPS", 1)
+    layers = [_layer(i, 100, 10, 0) for i in range(45)]
+    plan = partition(layers, 10, schedule="gpipe", num_microbatches=2)
+    _assert_matches_reference(plan, layers, "gpipe", 2)
+
+
+def test_all_zero_chain_is_any_valid_split():
+    layers = [_layer(i, 0, 0, 0) for i in range(50)]
+    plan = partition(layers, 7, num_microbatches=4)
+    _check_plan(plan, layers, 7, "1f1b", 4)
+    assert plan.stage_peak_bytes == (0,) * 7
 
 
 @settings(max_examples=60, deadline=None)
@@ -189,7 +268,8 @@ def test_optimal_is_lexicographic_minimum_property(data):
         extra = {}
         if measured:
             extra = dict(iso=data.draw(values) * 10, added=data.draw(values) * 10)
-        layers.append(_layer(i, data.draw(values) * 10, data.draw(values), data.draw(values), **extra))
+        state, act, trans = data.draw(values) * 10, data.draw(values), data.draw(values)
+        layers.append(_layer(i, state, act, trans, **extra))
     plan = partition(layers, p, schedule=schedule, num_microbatches=m)
     best, winners = _brute_force(_peak_table(layers, p, schedule, m), n, p)
     assert _lex_key(plan.stage_peak_bytes) == best and plan.boundaries in winners
@@ -264,9 +344,9 @@ def test_optimal_never_worse_than_baselines():
     rng = np.random.default_rng(12)
     for trial in range(30):
         n, p = 30, 5
+        columns = zip(rng.integers(0, 1000, n), rng.integers(0, 100, n), rng.integers(0, 50, n))
         layers = [_layer(i, int(s), int(a), int(t), params=int(s), seconds=float(a))
-                  for i, (s, a, t) in enumerate(zip(rng.integers(0, 1000, n), rng.integers(0, 100, n),
-                                                    rng.integers(0, 50, n)))]
+                  for i, (s, a, t) in enumerate(columns)]
         best = partition(layers, p, num_microbatches=8).max_peak_bytes
         for method in ("uniform", "parameters", "time"):
             assert best <= partition(layers, p, num_microbatches=8, method=method).max_peak_bytes
@@ -313,3 +393,10 @@ def test_method_and_schedule_strings_are_normalized_once():
     layers = [_layer(i, 1, 1, 0) for i in range(4)]
     plan = partition(layers, 2, num_microbatches=2, method="Uniform", schedule="GPIPE")
     assert plan.method is Method.UNIFORM and plan.schedule is Schedule.GPIPE
+    assert Method.from_user(Method.TIME) is Method.TIME
+
+
+def test_summary_scales_units():
+    layers = [_layer(i, 3 << 30, 5 << 20, 1 << 10) for i in range(4)]
+    text = partition(layers, 2, num_microbatches=2).summary()
+    assert "6.01 GiB" in text and "max stage peak" in text

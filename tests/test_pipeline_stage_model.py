@@ -19,7 +19,8 @@ def _random_chain(rng, n, kind):
         measured = kind == "measured" or (kind == "mixed" and rng.random() < 0.5)
         extra = {}
         if measured:
-            extra = dict(isolated_bytes=int(rng.integers(0, 60)), added_bytes=int(rng.integers(0, 30)))
+            extra = dict(isolated_bytes=int(rng.integers(0, 60)),
+                         added_bytes=int(rng.integers(0, 30)))
         layers.append(LayerStats(
             name=f"l{i}", state_bytes=int(rng.integers(0, 40)),
             activation_bytes=int(rng.integers(0, 10)), transient_bytes=int(rng.integers(0, 20)),

@@ -24,10 +24,11 @@ is compatible with union and cancellative: ``A <= B  <=>  A + C <= B + C``
     F_{r+1}(j) = lexmin_{i < j}  F_r(i) + {c_r(i, j)}
     answer     = F_p(n)
 
-Each node stores only ``M_r(j) = max F_r(j)``, its parent and its incoming stage
-peak. Candidates are ranked by ``max(M_r(i), c_r(i, j))``; ties go to a full
-comparison, in which the part of the two histories before their DP paths meet
-cancels, so only the diverging tails are sorted and compared.
+A node keeps its parent, ``M_r(j) = max F_r(j)`` and ``F_r(j)`` itself, but
+only the part after the last boundary with a single reachable node: what lies
+before it is common to every candidate and cancels. Keys are run-length encoded
+(identical layers repeat peaks). Candidates are ranked by
+``max(M_r(i), c_r(i, j))`` first; only ties compare whole keys.
 
 Exact pruning
 -------------
@@ -47,17 +48,25 @@ Decomposition: a boundary whose window is one point lies on every partition
 within the bound, so the chain splits there into independent pieces, and by
 union compatibility the lexicographic optimum is the union of the pieces'
 optima. Each piece is solved again with its own, lower, ``B*``, which narrows
-its windows; the DP runs on pieces whose windows are narrow or unsplittable.
+its windows. Wide windows without such a point (identical layers: which stages
+take the extra layer is free) narrow to the partitions with the fewest stages
+at ``B*`` -- the optimum's count -- found by greedies that count those stages;
+the DP's answer certifies the count, else the plain windows are used.
 
 Non-monotone costs (measured offsets ``isolated - added`` that break the
 inequality above, or chains mixing measured and analytic layers): the greedy
 is not exact (CAPSlog's misses the optimum this way), so ``U`` is the best
 peak of feasible greedy partitions, and the windows come from a monotone lower
-bound ``l_r(i, j) <= c_r(i, j)`` (``StageCostModel.bound_form``): still a
-superset of every partition within ``U``, so the DP over them stays exact.
+bound ``l_r(i, j) <= c_r(i, j)`` (``StageCostModel.bound_form``), refined for
+all-measured chains by exact forward/backward reachability (from a start the
+feasible ends form an interval). Both are supersets of every partition within
+``U``, so the DP over them stays exact.
 
-Cost: ``O(n log U)`` per bisection, ``O(sum_r |W_r| |W_{r+1}|)`` for the DP,
-plus the tie comparisons.
+Cost: ``O(n)`` per greedy probe and ``O(log)`` probes; the DP visits
+``sum_r |W_r| |W_{r+1}|`` (start, stop) pairs. Windows stay a few layers wide on
+ordinary chains; they grow towards ``n`` only when a huge number of partitions
+tie at the top levels (one layer dominating every stage, many identical layers
+with a large remainder), where the exact search slows down accordingly.
 """
 
 from __future__ import annotations
@@ -140,7 +149,8 @@ class StagePlan:
         """A table a person reads: layers, in-flight micro-batches and peak per stage."""
         header = (f"StagePlan: {len(self.layer_names)} layers on {self.num_stages} stages, "
                   f"method={self.method.value}, schedule={self.schedule.value}, "
-                  f"{self.num_microbatches} micro-batches, search {self.search_seconds * 1e3:.1f} ms")
+                  f"{self.num_microbatches} micro-batches, "
+                  f"search {self.search_seconds * 1e3:.1f} ms")
         rows = [f"{'stage':>5}  {'layers':>6}  {'in-flight':>9}  {'peak':>11}  first .. last"]
         for r, (start, stop) in enumerate(self.stage_ranges):
             inflight = inflight_microbatches(r, self.num_stages, self.schedule,
@@ -258,6 +268,7 @@ class _Search:
         self.model = model
         self.exact = model.monotone
         self.window_form = model.exact_form if self.exact else model.bound_form
+        self.weights = _shared_weights(self.window_form)
         self.reach = None
         if not self.exact and model.exact_form is not None and not any(model.exact_form.transient):
             self.reach = _ReachTables.build(model.exact_form)
@@ -297,7 +308,10 @@ class _Search:
             starts = self._fewest_top_stages(piece, bound)
             if starts is not None:
                 return starts, []
-        return _lex_dp(self.model, piece, lo, hi, bound), []
+        starts = _lex_dp(self.model, piece, lo, hi, bound)
+        if starts is None:
+            raise RuntimeError(f"internal error: no partition within bound {bound}")
+        return starts, []
 
     def _fewest_top_stages(self, piece: _Piece, bound: int) -> list[int] | None:
         """Solve within the narrower windows of partitions with the fewest stages at
@@ -309,11 +323,13 @@ class _Search:
         outside the windows has more stages at the bound, so is worse.
         """
         max_count = _COUNT_GREEDY_STEPS // piece.stages - 1
-        fewest = _fewest_top_windows(self.window_form, piece, bound, max_count)
+        fewest = _fewest_top_windows(self.window_form, piece, bound, max_count, self.weights)
         if fewest is None:
             return None
         count, lo, hi = fewest
         starts = _lex_dp(self.model, piece, lo, hi, bound)
+        if starts is None:
+            return None
         stops = starts[1:] + [piece.stop]
         peaks = self.model.peaks(np.arange(piece.first, piece.stop_stage), starts, stops)
         return starts if int(np.count_nonzero(peaks >= bound)) <= count else None
@@ -326,7 +342,7 @@ class _Search:
         bound >= ``bound``: its starts are lower limits already.
         """
         if greedy_starts is None:
-            greedy_starts = _right_greedy(self.window_form, piece, bound).starts
+            greedy_starts = _right_greedy(self.window_form, piece, bound, self.weights).starts
         lo = greedy_starts + [piece.stop]
         hi = _left_greedy(self.window_form, piece, bound)
         if self.reach is not None:
@@ -340,7 +356,7 @@ class _Search:
         monotone), and the right greedy's starts there if known."""
         if self.exact:
             lower = _form_lower_bound(self.window_form, piece)
-            bound, partitions = _bisect(self.window_form, piece, lower)
+            bound, partitions = _bisect(self.window_form, piece, lower, weights=self.weights)
             return bound, partitions[-1]
         return self._heuristic_bound(piece), None
 
@@ -415,19 +431,19 @@ class _ReachTables:
         return starts[(index < len(ends)) & (cost <= bound)]
 
 
-def _fewest_top_windows(form: LinearForm, piece: _Piece, bound: int,
-                        max_count: int) -> tuple[int, list[int], list[int]] | None:
+def _fewest_top_windows(form: LinearForm, piece: _Piece, bound: int, max_count: int,
+                        weights: dict[int, list[int]]) -> tuple[int, list[int], list[int]] | None:
     """Windows of the partitions within ``bound`` having at most ``count`` stages
     at ``bound`` (the rest at most ``bound - 1``), for the smallest ``count`` the
     relaxed greedies allow; None if that exceeds ``max_count``. Monotone forms."""
     count, limit = None, 1
     while count is None and limit <= 2 * max_count:
-        right = _count_greedy(form, piece, bound, min(limit, max_count), from_right=True)
+        right = _count_greedy(form, piece, bound, min(limit, max_count), True, weights)
         count = next((c for c, at in enumerate(right[0]) if at <= piece.start), None)
         limit *= 2
     if count is None:
         return None
-    left = _count_greedy(form, piece, bound, count, from_right=False)
+    left = _count_greedy(form, piece, bound, count, False, weights)
     lo, hi = [], []
     for b in range(piece.stages + 1):
         ranges = [(right[b][c], left[b][count - c]) for c in range(count + 1)
@@ -437,51 +453,56 @@ def _fewest_top_windows(form: LinearForm, piece: _Piece, bound: int,
         lo.append(max(min(r for r, _ in ranges), piece.start + min(b, piece.stages - 1)))
         hi.append(min(max(g for _, g in ranges), piece.stop - (piece.stages - b)))
     lo[-1] = hi[-1] = piece.stop
+    if any(l > h for l, h in zip(lo, hi)):
+        return None
     return count, lo, hi
 
 
 def _count_greedy(form: LinearForm, piece: _Piece, bound: int, max_count: int,
-                  from_right: bool) -> list[list[int]]:
+                  from_right: bool, weights: dict[int, list[int]]) -> list[list[int]]:
     """``at[b][c]``: the extreme position of boundary b over the stages on one side
     of it using at most c stages above ``bound - 1`` -- lowest when the stages
     after b are filled from the right, highest when those before b are filled
     from the left. Relaxed (a stage that fits nothing still advances, or stays)
     so the results are safe limits."""
+    def stretch(b, at, limit):
+        if from_right:
+            return _stretch_left(form, weights, piece, b, at, limit)
+        return _stretch_right(form, piece, b, at, limit)
+
     stages = range(piece.stages - 1, -1, -1) if from_right else range(piece.stages)
     edge = piece.stop if from_right else piece.start
     row = [edge] * (max_count + 1)
     rows = {piece.stages if from_right else 0: row}
     for b in stages:
-        stretch = _stretch_left if from_right else _stretch_right
-        plain = [stretch(form, piece, b, at, bound - 1) for at in row]
-        top = [stretch(form, piece, b, at, bound) for at in row]
+        plain = [stretch(b, at, bound - 1) for at in row]
+        top = [stretch(b, at, bound) for at in row]
         pick = min if from_right else max
         row = [pick(plain[c], top[c - 1]) if c else plain[0] for c in range(max_count + 1)]
         rows[b if from_right else b + 1] = row
     return [rows[b] for b in range(piece.stages + 1)]
 
 
-def _stretch_left(form: LinearForm, piece: _Piece, b: int, stop: int, bound: int) -> int:
+def _stretch_left(form: LinearForm, weights: dict[int, list[int]], piece: _Piece, b: int,
+                  stop: int, bound: int) -> int:
     """Lowest start of stage b ending at ``stop`` within ``bound`` (at least one layer)."""
     k, cap = form.multiplier[piece.first + b], piece.start + b
-    start, total, top = stop - 1, 0, 0
-    while start >= cap:
-        total += form.base[start] + form.activation[start] * k
-        top = max(top, form.transient[start])
-        if total + form.offset[start] + top > bound:
-            break
-        start -= 1
-    return min(start + 1, stop - 1) if stop > cap else stop
+    if stop <= cap:
+        return stop
+    return _scan_left(form, weights.get(k) or _LazyWeights(form, k), cap, stop, bound)[0]
 
 
 def _stretch_right(form: LinearForm, piece: _Piece, b: int, start: int, bound: int) -> int:
-    """Highest end of stage b starting at ``start`` within ``bound`` (or ``start``)."""
+    """Highest end of stage b starting at ``start`` within ``bound`` (or ``start``),
+    leaving a layer for each later stage."""
     k, cap = form.multiplier[piece.first + b], piece.stop - (piece.stages - 1 - b)
-    stop, total, top = start, 0, 0
+    base, act, transient = form.base, form.activation, form.transient
+    stop, total, top, lead = start, 0, 0, form.offset[start] if start < piece.stop else 0
     while stop < cap:
-        total += form.base[stop] + form.activation[stop] * k
-        top = max(top, form.transient[stop])
-        if total + form.offset[start] + top > bound:
+        total += base[stop] + k * act[stop]
+        if transient[stop] > top:
+            top = transient[stop]
+        if total + lead + top > bound:
             break
         stop += 1
     return stop
@@ -500,42 +521,78 @@ def _split(piece: _Piece, pins: list[int], lo: list[int]) -> list[_Piece]:
 # --------------------------------------------------------------------------- greedy probes
 
 
-def _right_greedy(form: LinearForm, piece: _Piece, bound: int) -> _Probe:
+def _right_greedy(form: LinearForm, piece: _Piece, bound: int,
+                  weights: dict[int, list[int]] | None = None) -> _Probe:
     """Stages from the last: each takes every layer that fits under ``bound``;
     the first stage takes what is left.
 
     A stage whose single layer exceeds the bound takes it anyway (the probe
     fails) so that ``excess`` stays informative for the bisection.
+    ``weights`` (see ``_shared_weights``) saves work for stages sharing a multiplier.
     """
-    base, act, offset, transient, mult = (form.base, form.activation, form.offset,
-                                          form.transient, form.multiplier)
+    weights = weights or {}
     stop, peak, next_bound = piece.stop, 0, _INF
     starts = [piece.start] * piece.stages
     for b in range(piece.stages - 1, 0, -1):
-        k, cap = mult[piece.first + b], piece.start + b
-        s = stop - 1
-        total, top = base[s] + k * act[s], transient[s]
-        cost = total + offset[s] + top
-        if cost > bound and cost < next_bound:
-            next_bound = cost
-        while s > cap:
-            prev = s - 1
-            grown = total + base[prev] + k * act[prev]
-            tallest = transient[prev] if transient[prev] > top else top
-            wider = grown + offset[prev] + tallest
-            if wider > bound:
-                if wider < next_bound:
-                    next_bound = wider
-                break
-            s, total, top, cost = prev, grown, tallest, wider
-        starts[b] = stop = s
+        k = form.multiplier[piece.first + b]
+        weight = weights.get(k) or _LazyWeights(form, k)
+        start, cost, jump = _scan_left(form, weight, piece.start + b, stop, bound)
+        starts[b] = stop = start
         if cost > peak:
             peak = cost
+        if jump < next_bound:
+            next_bound = jump
     first = _stage_cost(form, piece.first, piece.start, stop)
     if first > bound:
         next_bound = min(next_bound, first)
     return _Probe(ok=max(peak, first) <= bound, starts=starts, peak=max(peak, first),
                   next_bound=next_bound, excess=first - bound)
+
+
+class _LazyWeights:
+    """Layer l's ``base + k * activation``, computed on access."""
+
+    def __init__(self, form: LinearForm, k: int):
+        self.base, self.activation, self.k = form.base, form.activation, k
+
+    def __getitem__(self, layer: int) -> int:
+        return self.base[layer] + self.k * self.activation[layer]
+
+
+def _shared_weights(form: LinearForm) -> dict[int, list[int]]:
+    """``base + k * activation`` per layer, for the multipliers k held by at
+    least a quarter of the stages (the greedy scans read them in its inner loop)."""
+    counts: dict[int, int] = {}
+    for k in form.multiplier:
+        counts[k] = counts.get(k, 0) + 1
+    base = np.asarray(form.base, dtype=np.int64)
+    act = np.asarray(form.activation, dtype=np.int64)
+    return {k: (base + k * act).tolist() for k, n in counts.items()
+            if 4 * n >= len(form.multiplier)}
+
+
+def _scan_left(form: LinearForm, weight, cap: int, stop: int,
+               bound: int) -> tuple[int, int, int]:
+    """A stage ending at ``stop`` takes layers leftwards while they fit (at least
+    one, none before ``cap``); ``weight[l]`` is layer l's base + k * activation.
+
+    Returns its start, its cost, and the smallest cost above ``bound`` met (a
+    longer stage, or the forced single layer), ``_INF`` if none.
+    """
+    offset, transient = form.offset, form.transient
+    s = stop - 1
+    total, top = weight[s], transient[s]
+    cost = total + offset[s] + top
+    jump = cost if cost > bound else _INF
+    while s > cap:
+        prev = s - 1
+        grown = total + weight[prev]
+        tallest = transient[prev] if transient[prev] > top else top
+        wider = grown + offset[prev] + tallest
+        if wider > bound:
+            return s, cost, min(jump, wider)
+        s, total, top, cost = prev, grown, tallest, wider
+    return s, cost, jump
 
 
 def _stage_cost(form: LinearForm, stage: int, start: int, stop: int) -> int:
@@ -551,22 +608,9 @@ def _left_greedy(form: LinearForm, piece: _Piece, bound: int) -> list[int]:
     layer for each later stage; if nothing fits, the boundary stays put (the
     result remains an upper bound).
     """
-    base, act, offset, transient, mult = (form.base, form.activation, form.offset,
-                                          form.transient, form.multiplier)
     hi = [piece.start]
-    at = piece.start
     for b in range(piece.stages - 1):
-        k, cap = mult[piece.first + b], piece.stop - (piece.stages - 1 - b)
-        total, top, lead, end = 0, 0, offset[at], at
-        while end < cap:
-            total += base[end] + k * act[end]
-            if transient[end] > top:
-                top = transient[end]
-            if total + lead + top > bound:
-                break
-            end += 1
-        at = end
-        hi.append(at)
+        hi.append(_stretch_right(form, piece, b, hi[-1], bound))
     hi.append(piece.stop)
     return hi
 
@@ -595,8 +639,8 @@ def _fluid_estimate(form: LinearForm, piece: _Piece) -> int:
     return int(min(bound, _INF // 2))
 
 
-def _bisect(form: LinearForm, piece: _Piece, lower: int,
-            max_probes: int | None = None) -> tuple[int, list[list[int]]]:
+def _bisect(form: LinearForm, piece: _Piece, lower: int, max_probes: int | None = None,
+            weights: dict[int, list[int]] | None = None) -> tuple[int, list[list[int]]]:
     """Smallest bound the right greedy meets, and the partitions of successful probes.
 
     The exact min-max when the form is monotone (``lower`` must not exceed it);
@@ -610,7 +654,7 @@ def _bisect(form: LinearForm, piece: _Piece, lower: int,
     upper, found, fails, probes = None, [], [], 0
     guess, width = max(lower, _fluid_estimate(form, piece)), None
     while max_probes is None or probes < max_probes:
-        probe = _right_greedy(form, piece, guess)
+        probe = _right_greedy(form, piece, guess, weights)
         probes += 1
         if probe.ok:
             upper = probe.peak
@@ -657,8 +701,9 @@ def _next_guess(lower: int, upper: int | None, fails: list[tuple[int, int]], wid
 
 
 def _lex_dp(model: StageCostModel, piece: _Piece, lo: list[int], hi: list[int],
-            bound: int) -> list[int]:
-    """Lexicographically optimal starts of the piece's stages, boundaries within [lo, hi]."""
+            bound: int) -> list[int] | None:
+    """Lexicographically optimal starts of the piece's stages with boundaries in
+    [lo, hi] and peaks within ``bound``; None if there is no such partition."""
     layer = _Layer(keys=[()], tops=[0])
     parents: list[list[int]] = []
     for b, costs in enumerate(_cost_blocks(model, piece, lo, hi)):
@@ -672,7 +717,7 @@ def _lex_dp(model: StageCostModel, piece: _Piece, lo: list[int], hi: list[int],
             layer, chosen = step(layer, lo[b], lo[b + 1], costs, bound)
         parents.append(chosen)
     if layer.tops[-1] >= _INF:
-        raise RuntimeError(f"internal error: no partition within bound {bound}")
+        return None
     starts, at = [], piece.stop
     for b in range(piece.stages, 0, -1):
         at = parents[b - 1][at - lo[b]]
@@ -714,13 +759,17 @@ def _pick(layer: _Layer, rows: list[int], costs: list[int]) -> tuple[tuple, int]
 def _dp_step_small(layer: _Layer, row0: int, col0: int, costs: np.ndarray,
                    bound: int) -> tuple[_Layer, list[int]]:
     """One DP layer in plain Python: each end (column) takes its best start (row)."""
-    table, tops = costs.tolist(), layer.tops
-    keys, new_tops, parents = [], [], []
+    table = costs.tolist()
+    live = [(row, top) for row, top in enumerate(layer.tops) if top < _INF]
+    keys, tops, parents = [], [], []
     for col in range(costs.shape[1]):
-        best, rows, picked = _INF, [], []
-        for row in range(min(len(tops), col0 + col - row0)):
-            cost, top = table[row][col], tops[row]
-            if top >= _INF or cost > bound:
+        best, rows, picked = _INF, None, None
+        limit = col0 + col - row0  # rows (starts) strictly before this end
+        for row, top in live:
+            if row >= limit:
+                break
+            cost = table[row][col]
+            if cost > bound:
                 continue
             value = cost if cost > top else top
             if value < best:
@@ -728,12 +777,15 @@ def _dp_step_small(layer: _Layer, row0: int, col0: int, costs: np.ndarray,
             elif value == best:
                 rows.append(row)
                 picked.append(cost)
-        if not rows:
-            keys.append(None), new_tops.append(_INF), parents.append(-1)
+        if rows is None:
+            keys.append(None), tops.append(_INF), parents.append(-1)
             continue
-        key, row = _pick(layer, rows, picked)
-        keys.append(key), new_tops.append(best), parents.append(row0 + row)
-    return _Layer(keys=keys, tops=new_tops), parents
+        if len(rows) == 1:
+            key, row = _insert(layer.keys[rows[0]], picked[0]), rows[0]
+        else:
+            key, row = _pick(layer, rows, picked)
+        keys.append(key), tops.append(best), parents.append(row0 + row)
+    return _Layer(keys=keys, tops=tops), parents
 
 
 def _dp_step_large(layer: _Layer, row0: int, col0: int, costs: np.ndarray,

@@ -89,6 +89,10 @@ def inflight_microbatches(stage_index: int, num_stages: int, schedule: "Schedule
     if not 0 <= stage_index < num_stages:
         raise ValueError(
             f"stage_index {stage_index} out of range for {num_stages} stages")
+    return _inflight(stage_index, num_stages, schedule, num_microbatches)
+
+
+def _inflight(stage_index: int, num_stages: int, schedule: Schedule, num_microbatches: int) -> int:
     if schedule is Schedule.GPIPE:
         return int(num_microbatches)
     return int(min(num_microbatches, num_stages - stage_index))
@@ -148,42 +152,45 @@ class StageCostModel:
               num_microbatches: int) -> "StageCostModel":
         chain = validate_chain(stats)
         check_pipeline_shape(num_stages, num_microbatches)
-        inflight = tuple(inflight_microbatches(r, num_stages, schedule, num_microbatches)
+        schedule = Schedule.from_user(schedule)
+        inflight = tuple(_inflight(r, num_stages, schedule, num_microbatches)
                          for r in range(num_stages))
-        _check_magnitude(chain, max(inflight))
-        return cls(chain=chain, num_stages=int(num_stages), inflight=inflight)
+        model = cls(chain=chain, num_stages=int(num_stages), inflight=inflight)
+        _check_magnitude(model._columns, max(inflight))
+        return model
 
     @property
     def num_layers(self) -> int:
         return len(self.chain)
 
     @functools.cached_property
-    def _measured(self) -> tuple[bool, ...]:
-        return tuple(layer.is_measured for layer in self.chain)
+    def _columns(self) -> "_Columns":
+        return _Columns.of(self.chain)
 
     @functools.cached_property
     def monotone(self) -> bool:
-        if not any(self._measured):
+        measured = self._columns.measured
+        if not any(measured):
             return True
-        return all(self._measured) and all(
-            prev.isolated_bytes + cur.added_bytes >= cur.isolated_bytes
-            for prev, cur in zip(self.chain, self.chain[1:]))
+        iso, added = self._columns.isolated, self._columns.added
+        return all(measured) and all(iso[l - 1] + added[l] >= iso[l] for l in range(1, len(iso)))
 
     @functools.cached_property
     def exact_form(self) -> LinearForm | None:
-        if all(self._measured):
-            return _measured_form(self.chain, self.inflight)
-        if not any(self._measured):
-            return _analytic_form(self.chain, self.inflight)
+        measured = self._columns.measured
+        if all(measured):
+            return _measured_form(self._columns, self.inflight)
+        if not any(measured):
+            return _analytic_form(self._columns, self.inflight)
         return None
 
     @functools.cached_property
     def bound_form(self) -> LinearForm:
-        return _bound_form(self.chain, self.inflight)
+        return _bound_form(self._columns, self.inflight)
 
     @functools.cached_property
     def _arrays(self) -> dict:
-        return _prefix_arrays(self.chain, self.inflight)
+        return _prefix_arrays(self._columns, self.inflight)
 
     def peaks(self, stage, start, stop) -> np.ndarray:
         """int64 peaks for broadcastable arrays of stage indices and [start, stop) ranges.
@@ -204,36 +211,47 @@ class StageCostModel:
         return np.where(all_measured, measured, analytic)
 
 
-def _check_magnitude(chain: Sequence[LayerStats], max_inflight: int) -> None:
-    total = (sum(l.state_bytes + l.transient_bytes + (l.isolated_bytes or 0) + (l.added_bytes or 0)
-                 for l in chain)
-             + max_inflight * sum(l.activation_bytes for l in chain))
+@dataclasses.dataclass(frozen=True)
+class _Columns:
+    """The chain's figures column by column (missing measurements as 0)."""
+
+    state: tuple[int, ...]
+    activation: tuple[int, ...]
+    transient: tuple[int, ...]
+    isolated: tuple[int, ...]
+    added: tuple[int, ...]
+    measured: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, chain: Sequence[LayerStats]) -> "_Columns":
+        rows = [(l.state_bytes, l.activation_bytes, l.transient_bytes, l.isolated_bytes or 0,
+                 l.added_bytes or 0, l.is_measured) for l in chain]
+        return cls(*(tuple(column) for column in zip(*rows)))
+
+
+def _check_magnitude(columns: _Columns, max_inflight: int) -> None:
+    total = (sum(columns.state) + sum(columns.transient) + sum(columns.isolated)
+             + sum(columns.added) + max_inflight * sum(columns.activation))
     if total >= _MAX_TOTAL_BYTES:
         raise ValueError(
             f"the chain's bytes sum to {total}, beyond the 2**62 the exact search supports; "
             "express the statistics in a coarser unit (e.g. KiB)")
 
 
-def _analytic_form(chain, inflight) -> LinearForm:
-    zeros = (0,) * len(chain)
+def _analytic_form(columns: _Columns, inflight) -> LinearForm:
+    return LinearForm(base=columns.state, activation=columns.activation,
+                      offset=(0,) * len(columns.state), transient=columns.transient,
+                      multiplier=inflight)
+
+
+def _measured_form(columns: _Columns, inflight) -> LinearForm:
     return LinearForm(
-        base=tuple(l.state_bytes for l in chain),
-        activation=tuple(l.activation_bytes for l in chain),
-        offset=zeros,
-        transient=tuple(l.transient_bytes for l in chain),
-        multiplier=inflight)
+        base=columns.added, activation=columns.activation,
+        offset=tuple(i - a for i, a in zip(columns.isolated, columns.added)),
+        transient=(0,) * len(columns.state), multiplier=tuple(k - 1 for k in inflight))
 
 
-def _measured_form(chain, inflight) -> LinearForm:
-    return LinearForm(
-        base=tuple(l.added_bytes for l in chain),
-        activation=tuple(l.activation_bytes for l in chain),
-        offset=tuple(l.isolated_bytes - l.added_bytes for l in chain),
-        transient=(0,) * len(chain),
-        multiplier=tuple(k - 1 for k in inflight))
-
-
-def _bound_form(chain, inflight) -> LinearForm:
+def _bound_form(columns: _Columns, inflight) -> LinearForm:
     """sum_l (floor_l + (k_r - 1) * activation_l) <= the true peak of any stage.
 
     An analytic layer costs state + k * activation = (state + activation) +
@@ -241,18 +259,12 @@ def _bound_form(chain, inflight) -> LinearForm:
     on top of its (k - 1) activations in a measured stage, and its analytic
     figure otherwise.
     """
-    def floor(layer):
-        analytic = layer.state_bytes + layer.activation_bytes
-        if layer.is_measured:
-            return min(analytic, layer.isolated_bytes, layer.added_bytes)
-        return analytic
-
-    zeros = (0,) * len(chain)
-    return LinearForm(
-        base=tuple(floor(l) for l in chain),
-        activation=tuple(l.activation_bytes for l in chain),
-        offset=zeros, transient=zeros,
-        multiplier=tuple(k - 1 for k in inflight))
+    analytic = [s + a for s, a in zip(columns.state, columns.activation)]
+    floor = tuple(min(x, i, a) if m else x for x, i, a, m
+                  in zip(analytic, columns.isolated, columns.added, columns.measured))
+    zeros = (0,) * len(floor)
+    return LinearForm(base=floor, activation=columns.activation, offset=zeros, transient=zeros,
+                      multiplier=tuple(k - 1 for k in inflight))
 
 
 def _prefix(values) -> np.ndarray:
@@ -261,18 +273,18 @@ def _prefix(values) -> np.ndarray:
     return out
 
 
-def _prefix_arrays(chain, inflight) -> dict:
+def _prefix_arrays(columns: _Columns, inflight) -> dict:
     arrays = {
         "inflight": np.asarray(inflight, dtype=np.int64),
-        "state": _prefix([l.state_bytes for l in chain]),
-        "act": _prefix([l.activation_bytes for l in chain]),
+        "state": _prefix(columns.state),
+        "act": _prefix(columns.activation),
         "measured": None,
     }
-    arrays.update(_sparse_table([l.transient_bytes for l in chain]))
-    if any(l.is_measured for l in chain):
-        arrays["measured"] = _prefix([int(l.is_measured) for l in chain])
-        arrays["iso"] = np.asarray([l.isolated_bytes or 0 for l in chain] + [0], dtype=np.int64)
-        arrays["added"] = _prefix([l.added_bytes or 0 for l in chain])
+    arrays.update(_sparse_table(columns.transient))
+    if any(columns.measured):
+        arrays["measured"] = _prefix(columns.measured)
+        arrays["iso"] = np.asarray(columns.isolated + (0,), dtype=np.int64)
+        arrays["added"] = _prefix(columns.added)
     return arrays
 
 

@@ -93,14 +93,20 @@ def validate_chain(stats: Iterable[LayerStats]) -> tuple[LayerStats, ...]:
     chain = tuple(stats)
     if not chain:
         raise ValueError("stats is empty: a pipeline needs at least one layer")
-    seen: dict[str, int] = {}
     for index, layer in enumerate(chain):
         if not isinstance(layer, LayerStats):
             raise TypeError(
                 f"stats[{index}] is {type(layer).__name__}, expected LayerStats")
+    if len({layer.name for layer in chain}) < len(chain):
+        _raise_duplicate(chain)
+    return chain
+
+
+def _raise_duplicate(chain: tuple[LayerStats, ...]) -> None:
+    seen: dict[str, int] = {}
+    for index, layer in enumerate(chain):
         if layer.name in seen:
             raise ValueError(
                 f"duplicate layer name {layer.name!r} at positions {seen[layer.name]} "
                 f"and {index}; give every layer a unique name")
         seen[layer.name] = index
-    return chain
