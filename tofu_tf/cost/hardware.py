@@ -77,9 +77,11 @@ PCIE_GPU = HardwareProfile(
     inter_node=Link(bandwidth=12.5 * GB, latency=20e-6),   # 100 Gb/s Ethernet/IB
     flops=50e12, memory_bandwidth=600 * GB)                 # a 24 GiB PCIe card (A10/L4 class), TF32
 # Calibrated on the project's 2-core machine, 8 virtual CPU devices, TF 2.21 DTensor
-# (bench/calibrate_cpu.py): an all-gather of 1/16/64 MiB took 16/127/710 ms, i.e. about 10 ms
-# per collective plus ~0.1 GB/s; eight devices sharing two cores ran a replicated
-# 16x4096x4096 matmul in 129 ms, about 4 GFLOP/s per device.
+# (bench/calibrate_cpu.py). Under load (other jobs sharing the cores): all-gathers of
+# 1/16/64 MiB took 16/127/710 ms, about 10 ms per collective plus ~0.1 GB/s, and a
+# replicated 16x4096x4096 matmul on every device 129 ms, ~4 GFLOP/s per device. On the
+# quiet machine: 2.5 ms + 0.13 GB/s and 7.8 GFLOP/s. The profile keeps the loaded
+# figures; the ratios that rank plans are close in both.
 CPU_VIRTUAL = HardwareProfile(
     "cpu-virtual", devices_per_node=1024, memory_bytes=3 * GIB,
     intra_node=Link(bandwidth=0.1 * GB, latency=10e-3),    # DTensor collectives between virtual CPUs
