@@ -33,6 +33,7 @@ loses updates; the differences are marked where they are made.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import weakref
 
@@ -108,12 +109,14 @@ class TofuStrategy(distribute_lib.Strategy):
         return dtensor_util.dtensor_reduce(self, reduce_op, value, axis)
 
 
+@dataclasses.dataclass(frozen=True)
 class _PlanOptions:
-    def __init__(self, *, memory_budget_bytes, mesh_shape, hardware, method):
-        self.memory_budget_bytes = memory_budget_bytes
-        self.mesh_shape = mesh_shape
-        self.hardware = hardware
-        self.method = method
+    """How the strategy plans: what the user passed to TofuStrategy."""
+
+    memory_budget_bytes: int | None
+    mesh_shape: object
+    hardware: object
+    method: str
 
 
 class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):

@@ -3,7 +3,6 @@
 import pytest
 from tests.test_search_support import GraphBuilder
 
-from tofu_tf import ir
 from tofu_tf.search import plan_graph
 from tofu_tf.search.legality import check_plan
 from tofu_tf.search.targets import Target, as_target, dtensor_lowerable, pinned_variables

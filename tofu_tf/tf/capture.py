@@ -21,7 +21,7 @@ a ``tf.function`` concrete graph and translates that graph into
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import numpy as np
 import tensorflow as tf

@@ -49,7 +49,7 @@ def resource_gather(op: OpView):
 
 def segment_reduce(op: OpView):
     """out[s, d..] = sum/max/min_{n..} data[n.., d..] where s = segment_ids[n..]"""
-    d_shape, s_shape = op.input_shapes[0], op.input_shapes[1]
+    s_shape = op.input_shapes[1]
     out_rank = len(op.output_shapes[0])
     reducer = {"UnsortedSegmentSum": Sum, "UnsortedSegmentMax": Max, "UnsortedSegmentMin": Min}[op.type]
     rows = tuple(f"n{d}" if len(s_shape) > 1 else "n" for d in range(len(s_shape)))
