@@ -92,15 +92,16 @@ def test_single_axis_search_cost_equals_the_plan_cost():
     from tofu_tf.cost.evaluate import step_cost
     from tofu_tf.mesh import MeshSpec
     from tofu_tf.search import tofu_dp
-    from tofu_tf.search.coarsen import GraphIndex, ProblemBuilder
+    from tofu_tf.search.coarsen import GraphIndex
+    from tofu_tf.search.problem import ProblemBuilder
     graph = mlp_graph()
     problem = ProblemBuilder(GraphIndex(graph, stub_strategies), (), 4, H100_NVLINK.intra_node).build()
     for lam in (0.0, 1e-10, 1e-8):
         solution = tofu_dp.solve_axis(problem, lam)
         strategies, splits = {}, {}
         for node, option in zip(problem.nodes, solution.choice):
-            strategies.update({k: (v,) for k, v in node.options[option].strategies.items()})
-            splits.update({k: (v,) for k, v in node.options[option].var_splits.items()})
+            strategies.update({k: (v,) for k, v in node.strategies(option).items()})
+            splits.update({k: (v,) for k, v in node.var_splits(option).items()})
         cost = step_cost(graph, MeshSpec((("x", 4),)), H100_NVLINK, strategies, splits)
         assert solution.exact
         assert cost.comm_seconds == pytest.approx(problem.comm(solution.choice), rel=1e-12, abs=1e-18)

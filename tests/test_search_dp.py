@@ -8,7 +8,8 @@ from tests.test_search_support import GraphBuilder, mlp_graph, stub_strategies
 
 from tofu_tf.cost.hardware import H100_NVLINK
 from tofu_tf.search import ilp, tofu_dp
-from tofu_tf.search.coarsen import AxisProblem, Edge, GraphIndex, Node, Option, ProblemBuilder
+from tofu_tf.search.coarsen import GraphIndex
+from tofu_tf.search.problem import AxisProblem, Edge, Node, Option, ProblemBuilder
 
 
 def _brute_force(problem: AxisProblem, lam: float) -> float:
@@ -21,7 +22,7 @@ def random_problems(draw):
     """Arbitrary pairwise problems (not only chains): up to 7 nodes, 1-3 options each."""
     num = draw(st.integers(1, 7))
     sizes = [draw(st.integers(1, 3)) for _ in range(num)]
-    nodes = tuple(Node(f"n{i}", tuple(Option(str(a), {}, {}, 0.0, 0.0) for a in range(s)))
+    nodes = tuple(Node(f"n{i}", tuple(Option(str(a), (), None, 0.0, 0.0) for a in range(s)))
                   for i, s in enumerate(sizes))
     pairs = [(u, v) for u in range(num) for v in range(u + 1, num)]
     chosen = draw(st.lists(st.sampled_from(pairs), unique=True, max_size=len(pairs))) if pairs else []
@@ -73,5 +74,5 @@ def test_state_cap_flags_inexact_results():
     outs = [b.op(f"r{i}", "Relu", (x,), [(8, 8)]) for i in range(6)]
     b.op("sum", "AddN", tuple(outs), [(8, 8)])
     problem = ProblemBuilder(GraphIndex(b.build(), stub_strategies), (), 2, H100_NVLINK.intra_node).build()
-    assert not tofu_dp.solve_axis(problem, max_states=2).exact
-    assert tofu_dp.solve_axis(problem, max_states=10_000).exact
+    assert not tofu_dp.solve_by_cuts(problem, max_states=2).exact
+    assert tofu_dp.solve_by_cuts(problem, max_states=10_000).exact

@@ -21,7 +21,8 @@ from tofu_tf.cost.memory import Liveness
 from tofu_tf.mesh import MeshSpec, ordered_factorizations
 from tofu_tf.plan import CommCost, Method, Objective, Plan, format_bytes
 from tofu_tf.search import baselines, tofu_dp
-from tofu_tf.search.coarsen import AxisDecision, AxisProblem, GraphIndex, ProblemBuilder, StrategyProvider
+from tofu_tf.search.coarsen import GraphIndex, StrategyProvider
+from tofu_tf.search.problem import AxisDecision, AxisProblem, ProblemBuilder
 from tofu_tf.search.targets import Target, as_target, pinned_variables, restrict_provider
 
 _MEMORY_LAMBDA = 1.0        # seconds per byte: memory dominates any communication time
@@ -205,8 +206,9 @@ def _decision(problem: AxisProblem, solution: tofu_dp.AxisSolution, size: int) -
     strategies, var_splits = {}, {}
     for node, option_index in zip(problem.nodes, solution.choice):
         option = node.options[option_index]
-        strategies.update(option.strategies)
-        var_splits.update(option.var_splits)
+        strategies.update(zip(node.members, option.strategies))
+        if option.var_split is not None:
+            var_splits.update(dict.fromkeys(node.paths, option.var_split))
     return AxisDecision(size, strategies, var_splits)
 
 

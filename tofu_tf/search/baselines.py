@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Callable
 
 from tofu_tf import ir
-from tofu_tf.search.coarsen import GraphIndex, Option
+from tofu_tf.search.coarsen import GraphIndex
+from tofu_tf.search.problem import Option
 from tofu_tf.semantics.strategy import REPLICATED, TensorSplit
 
 
@@ -38,7 +39,7 @@ def data_parallel_restriction(index: GraphIndex, num_devices: int) -> Callable[[
 
     def allowed(node: str, option: Option) -> bool:
         if node.startswith("var:"):
-            return all(s == REPLICATED for s in option.var_splits.values())
+            return option.var_split == REPLICATED
         if node in index.input_ops:
             return option.label == "S0"
         return option.label != "replicate" and not _splits_state(index, node, option)
@@ -52,7 +53,7 @@ def _splits_state(index: GraphIndex, node: str, option: Option) -> bool:
     """Whether an op option shards a weight it reads or a gradient it makes (data
     parallelism keeps both whole: gradients are reduced from partial sums)."""
     op = index.ops[node]
-    strategy = option.strategies[node]
+    strategy = option.strategies[0]
     tensors = index.graph.tensors
     for names, splits in ((op.inputs, strategy.inputs), (op.outputs, strategy.outputs)):
         for name, split in zip(names, splits):
@@ -95,7 +96,7 @@ def megatron_restriction(index: GraphIndex, num_devices: int) -> Callable[[str, 
 
     def allowed(node: str, option: Option) -> bool:
         if node.startswith("var:"):
-            return option.var_splits[node[4:]] == wanted.get(node[4:], REPLICATED)
+            return option.var_split == wanted.get(node[4:], REPLICATED)
         if node in index.input_ops:
             return option.label == "R"
         return True

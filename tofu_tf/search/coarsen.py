@@ -1,8 +1,9 @@
-"""The per-axis decision problem the search solves, built from a coarsened graph.
+"""Coarsening: the decision nodes of a training step, their order, and what repeats.
 
-This module owns *what is decided*: it turns an ``ir.Graph`` into decision
-nodes, each with a list of options, and pairwise edges priced by the cost model.
-It must not choose anything; ``tofu_dp`` and ``ilp`` solve the same problem.
+This module owns *which decisions exist*: it groups an ``ir.Graph``'s ops into
+decision nodes, orders them, lists the uses (tensor moves) between nodes and
+the gradient ties, and finds repeated blocks. Options and prices are built by
+``tofu_tf.search.problem``; nothing here chooses or prices anything.
 
 Coarsening (Tofu section 5, generalized):
 
@@ -21,52 +22,42 @@ Coarsening (Tofu section 5, generalized):
   already split by an earlier mesh axis, or a dim that does not divide).
 * A node with a single option is fixed; its edges become unary costs.
 
-Edge cost (axis ``k`` of size ``n``, tensor ``t`` from producer option ``a`` to
-consumer option ``b``) is the collective of ``tofu_tf.cost.collectives`` for
-``t``'s bytes after the splits the consumer already required on axes ``< k``
-(Tofu's recursion: shapes shrink as axes are applied).
-
 Node order (Tofu's coarsening of a forward op with its backward ops): every
 backward op (``gradient_tape/...``, or anything computed from one) is anchored
 to the forward op whose name scope its name repeats (``gradient_tape/m/d/MatMul_1``
 -> ``m/d/MatMul``); gradient sums without such a name go with their earliest
 producer. Nodes are sorted by their anchor's schedule position, a forward op
-followed by its backward ops, so DP cuts follow the forward graph's cuts.
+followed by its backward ops, so cuts follow the forward graph's cuts.
 
 **Gradient ties.** A forward tensor :math:`y` (output of node ``Q``) and its
 gradient :math:`dy` (made by a later backward node ``P``, consumed by ``Q``'s
 backward ops ``C``) are tied, as Tofu ties a tensor to its gradient: ``dy`` is
 produced split like ``y`` (or, when ``y`` is whole, whole or as partial sums --
-``Q``'s options are doubled to say which). The ``P -> C`` edges are then priced
-from ``Q``'s option (``Q`` precedes both) and an edge ``Q -> P`` forbids (with a
-penalty of ``TIE_PENALTY`` seconds) any ``P`` option producing ``dy`` otherwise.
-So a cut never holds a backward consumer's choice: its state is the forward
-cut's.
+``Q``'s options are doubled to say which). The ``P -> C`` uses are then priced
+from ``Q``'s option and a tie edge ``Q -> P`` forbids any ``P`` option
+producing ``dy`` otherwise (``TieEdge``, one per tied gradient, from its first use).
 
-**Compute.** Each option also carries the compute seconds of its ops
-(``tofu_tf.cost.compute``): an op's work divided by the devices earlier axes
-split it over, and by this axis's size unless the option replicates it. The
-unary cost of an option is its communication plus its compute.
+**Repeated blocks** (``tofu_tf.search.fold``): ``GraphIndex.run`` names equal
+blocks of consecutive nodes (a Transformer's layers), and each use and tie edge
+records the block it lies inside (or -1), so a per-axis problem builds one
+block and shares it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from tofu_tf import ir
-from tofu_tf.cost.collectives import transfer_seconds
-from tofu_tf.cost.compute import is_split
-from tofu_tf.cost.hardware import Link
 from tofu_tf.cost.memory import ALIAS_OPS, Liveness, alias_map
+from tofu_tf.search import fold
 from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, Reduction, TensorSplit, replicate_all
 
 P_SUM = TensorSplit(partial=Reduction.SUM)
 
 StrategyProvider = Callable[[ir.Op, ir.Graph, int], Sequence[OpStrategy]]
-TIE_PENALTY = 1e3   # seconds: larger than any step, so a broken gradient tie never wins
 _GRADIENT_SCOPE = "gradient_tape/"
 
 _READ_OPS = frozenset({"ReadVariableOp"})
@@ -97,20 +88,46 @@ class VarGroup:
     folded: tuple[str, ...]
 
 
-@dataclasses.dataclass(frozen=True)
-class AxisDecision:
-    """What one mesh axis decided: a strategy per op, a split per variable and input."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Use:
+    """Input ``j`` of op ``consumer`` reads ``source`` (made by another node's op).
 
-    size: int
-    op_strategies: Mapping[str, OpStrategy]
-    var_splits: Mapping[str, TensorSplit]
+    Positions are in node order; ``*_member`` index the op in its node's
+    ``members``. ``tie`` is (forward node, output) when ``source`` is a tied
+    gradient (the use is then priced from the forward node's option). ``block``
+    is the repeated block the use lies inside, or -1."""
+
+    consumer: str
+    j: int
+    source: str
+    consumer_node: int
+    consumer_member: int
+    producer_node: int
+    producer_member: int
+    out_index: int
+    tie: tuple[int, int] | None
+    block: int = -1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TieEdge:
+    """Gradient ``source`` (output ``out_index`` of a member of ``producer_node``) must
+    be made as output ``k`` of ``forward_node``'s option says. ``block`` as in ``Use``."""
+
+    source: str
+    producer_node: int
+    producer_member: int
+    out_index: int
+    forward_node: int
+    k: int
+    block: int = -1
 
 
 class GraphIndex:
     """Everything about a graph the per-axis problems share (built once per graph)."""
 
     def __init__(self, graph: ir.Graph, provider: StrategyProvider, *, pinned: frozenset[str] = frozenset(),
-                 work: Mapping[str, float] | None = None, tie_gradients: bool = True):
+                 work: Mapping[str, float] | None = None, tie_gradients: bool = True, fold_blocks: bool = True):
         self.graph = graph
         self.provider = provider
         self.pinned = pinned               # weight paths that stay replicated (the lowering target's rule)
@@ -136,6 +153,13 @@ class GraphIndex:
             self.tied_outputs[q] = tuple(sorted(set(self.tied_outputs.get(q, ())) | {k}))
         self.peak_live = self._peak_live()
         self._strategy_cache: dict[tuple[str, int], tuple[OpStrategy, ...]] = {}
+        self.members, self.paths = self._members()
+        self.use_table, self.tie_edges = self._use_table()
+        self.run = fold.find_run(self) if fold_blocks else None
+        self.uses_in_block: dict[int, list[Use]] = {}
+        self.tie_edges_in_block: dict[int, list[TieEdge]] = {}
+        if self.run is not None:
+            self._assign_blocks()
 
     # -- structure ---------------------------------------------------------------
     def source(self, name: str) -> str:
@@ -361,288 +385,69 @@ class GraphIndex:
             op = self.ops[op_name]
             found = tuple(self.provider(op, self.graph, n))
             rep = replicate_all(len(op.inputs), len(op.outputs))
-            if not any(_same_splits(s, rep) for s in found):
+            if not any(same_splits(s, rep) for s in found):
                 found = (rep,) + found
             self._strategy_cache[key] = found
         return self._strategy_cache[key]
 
 
-def _grad_choices(strategy: OpStrategy, tied: Sequence[int]) -> list[tuple[tuple[int, TensorSplit], ...]]:
-    """How the gradients of ``strategy``'s tied outputs may be produced: split like the
-    output, or (output whole or partial) whole or as partial sums."""
-    choices: list[tuple[tuple[int, TensorSplit], ...]] = [()]
-    for k in tied:
-        out = strategy.outputs[k] if k < len(strategy.outputs) else REPLICATED
-        grads = [TensorSplit(out.dim)] if out.dim is not None else [REPLICATED, P_SUM]
-        choices = [c + ((k, g),) for c in choices for g in grads]
-    return choices
+
+    # -- node members, uses, blocks ------------------------------------------------
+    def _members(self) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+        """Per node, the ops whose strategies its options give, and the variables it lays out."""
+        members, paths = {}, {}
+        for name in self._order:
+            if name.startswith("var:"):
+                group = self.groups[name[4:]]
+                members[name] = group.reads + group.assigns + group.folded
+                paths[name] = group.paths
+            else:
+                members[name], paths[name] = (name,), ()
+        return members, paths
+
+    def _use_table(self) -> tuple[tuple[Use, ...], tuple[TieEdge, ...]]:
+        order = self.order_of
+        member_at = {(m, node): i for node, ms in self.members.items() for i, m in enumerate(ms)}
+        uses, ties, tied_done = [], [], set()
+        for consumer, j, source in self.uses:
+            producer = self.graph.tensors[source].producer
+            cnode, pnode = self.owner(consumer), self.owner(producer)
+            out_index = self.ops[producer].outputs.index(source)
+            tie = self.ties.get((consumer, j))
+            tie_pos = None
+            if tie is not None:
+                forward, k = tie
+                tie_pos = (order[forward], k)
+                if source not in tied_done:
+                    tied_done.add(source)
+                    ties.append(TieEdge(source, order[pnode], member_at[producer, pnode], out_index, order[forward], k))
+            uses.append(Use(consumer, j, source, order[cnode], member_at[consumer, cnode], order[pnode],
+                            member_at[producer, pnode], out_index, tie_pos))
+        return tuple(uses), tuple(ties)
+
+    def _assign_blocks(self) -> None:
+        """Mark the uses and tie edges that lie inside one repeated block.
+
+        A use of a rank-0 value is never inside a block: scalars such as the
+        learning rate come from one op shared by every block."""
+        run = self.run
+        tensors = self.graph.tensors
+        table = []
+        for use in self.use_table:
+            ends = (use.consumer_node, use.tie[0] if use.tie is not None else use.producer_node)
+            block = run.common_block(ends) if tensors[use.source].rank else -1
+            table.append(dataclasses.replace(use, block=block) if block >= 0 else use)
+            if block >= 0:
+                self.uses_in_block.setdefault(block, []).append(table[-1])
+        self.use_table = tuple(table)
+        ties = []
+        for tie in self.tie_edges:
+            block = run.common_block((tie.producer_node, tie.forward_node))
+            ties.append(dataclasses.replace(tie, block=block) if block >= 0 else tie)
+            if block >= 0:
+                self.tie_edges_in_block.setdefault(block, []).append(ties[-1])
+        self.tie_edges = tuple(ties)
 
 
-def _layer_scope(op: ir.Op) -> str:
-    """The name scope of an op's innermost Keras layer, shared by its forward and
-    gradient ops (``gradient_tape/m/block_3/query/...`` -> ``m/block_3/query``): layer
-    names alone repeat across blocks (every attention has a ``query``)."""
-    parts = op.name.split("/")
-    if parts and parts[0] == "gradient_tape":
-        parts = parts[1:]
-    for i in range(len(parts) - 1, -1, -1):
-        if parts[i] == op.layer:
-            return "/".join(parts[: i + 1])
-    return op.layer or ""
-
-
-def _same_splits(a: OpStrategy, b: OpStrategy) -> bool:
+def same_splits(a: OpStrategy, b: OpStrategy) -> bool:
     return a.inputs == b.inputs and a.outputs == b.outputs
-
-
-# -- the per-axis problem ---------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """One choice of a node: a strategy for each member op, a split per variable,
-    the communication inside the node (seconds), its memory proxy (bytes), its
-    compute seconds, and (for tied outputs) how the output's gradient is produced."""
-
-    label: str
-    strategies: Mapping[str, OpStrategy]
-    var_splits: Mapping[str, TensorSplit]
-    comm: float
-    memory: float
-    compute: float = 0.0
-    grads: tuple[tuple[int, TensorSplit], ...] = ()
-
-    def grad(self, output: int) -> TensorSplit:
-        return dict(self.grads)[output]
-
-
-@dataclasses.dataclass(frozen=True)
-class Node:
-    name: str
-    options: tuple[Option, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Edge:
-    """Communication between two nodes (``u`` before ``v`` in DP order):
-    ``cost[a, b]`` seconds when ``u`` takes option ``a`` and ``v`` option ``b``."""
-
-    u: int
-    v: int
-    cost: np.ndarray
-
-
-@dataclasses.dataclass(frozen=True)
-class AxisProblem:
-    nodes: tuple[Node, ...]
-    edges: tuple[Edge, ...]
-    unary: tuple[np.ndarray, ...]   # per node, per option: comm + compute seconds incl. edges to fixed nodes
-    memory: tuple[np.ndarray, ...]  # per node, per option: memory proxy bytes
-
-    def objective(self, choice: Sequence[int], lam: float) -> float:
-        total = sum(self.unary[i][c] + lam * self.memory[i][c] for i, c in enumerate(choice))
-        return float(total + sum(e.cost[choice[e.u], choice[e.v]] for e in self.edges))
-
-    def time(self, choice: Sequence[int]) -> float:
-        """Modeled seconds of this axis's choice: communication plus compute."""
-        return self.objective(choice, 0.0)
-
-    def compute(self, choice: Sequence[int]) -> float:
-        return float(sum(self.nodes[i].options[c].compute for i, c in enumerate(choice)))
-
-    def comm(self, choice: Sequence[int]) -> float:
-        return self.time(choice) - self.compute(choice)
-
-
-class ProblemBuilder:
-    """Builds the problem of mesh axis ``len(prior)`` given the axes decided before it."""
-
-    def __init__(self, index: GraphIndex, prior: Sequence[AxisDecision], n: int, link: Link,
-                 restrict: Callable[[str, Option], bool] | None = None):
-        self.index, self.prior, self.n, self.link = index, tuple(prior), n, link
-        self.restrict = restrict
-        self.tensors = index.graph.tensors
-
-    def build(self) -> AxisProblem:
-        names = self.index.node_names()
-        nodes = [Node(name, tuple(self._options(name))) for name in names]
-        position = {node.name: i for i, node in enumerate(nodes)}
-        unary = [np.asarray([o.comm + o.compute for o in node.options], dtype=np.float64) for node in nodes]
-        self._tied_done: set[str] = set()
-        memory = [np.asarray([o.memory for o in node.options], dtype=np.float64) for node in nodes]
-        pair_costs: dict[tuple[int, int], np.ndarray] = {}
-        for consumer, j, source in self.index.uses:
-            self._add_use(consumer, j, source, nodes, position, unary, pair_costs)
-        edges = tuple(Edge(u, v, c) for (u, v), c in sorted(pair_costs.items()))
-        return AxisProblem(tuple(nodes), edges, tuple(unary), tuple(memory))
-
-    # options --------------------------------------------------------------------
-    def _options(self, name: str) -> list[Option]:
-        if name.startswith("var:"):
-            options = self._var_options(self.index.groups[name[4:]])
-        elif name in self.index.input_ops:
-            options = self._input_options(name)
-        else:
-            options = self._op_options(name)
-        if self.restrict is not None:
-            kept = [o for o in options if self.restrict(name, o)]
-            options = kept or options
-        return options
-
-    def _legal_splits(self, shape, used: set[int]) -> list[TensorSplit]:
-        out = [REPLICATED]
-        out += [TensorSplit(d) for d, extent in enumerate(shape) if d not in used and extent % self.n == 0]
-        return out
-
-    def _var_options(self, group: VarGroup) -> list[Option]:
-        used = {d.var_splits[group.key].dim for d in self.prior} - {None}
-        shrink = self._prior_factor(group.key)
-        options = []
-        splits = [REPLICATED] if group.key in self.index.pinned else self._legal_splits(group.shape, used)
-        for split in splits:
-            strategies = self._group_strategies(group, split)
-            if strategies is None:
-                continue
-            per_device = group.nbytes / shrink / (self.n if split.dim is not None else 1)
-            compute = sum(self._compute(op, strategy) for op, strategy in strategies.items())
-            options.append(Option(split.text(), strategies, {p: split for p in group.paths}, 0.0, per_device,
-                                  compute))
-        return options
-
-    def _compute(self, op_name: str, strategy: OpStrategy) -> float:
-        """Seconds of ``op_name`` on one device: its work over the devices splitting it so far."""
-        work = self.index.work.get(op_name, 0.0)
-        if not work:
-            return 0.0
-        factor = self.n if is_split(strategy) else 1
-        for d in self.prior:
-            prev = d.op_strategies.get(op_name)
-            if prev is not None and is_split(prev):
-                factor *= d.size
-        return work / factor
-
-    def _group_strategies(self, group: VarGroup, split: TensorSplit) -> dict[str, OpStrategy] | None:
-        out: dict[str, OpStrategy] = {}
-        for name in group.reads:
-            out[name] = OpStrategy("read", (REPLICATED,), (split,))
-        for name in group.assigns:
-            op = self.index.ops[name]
-            out[name] = OpStrategy("assign", (REPLICATED,) + tuple(
-                split_of(self.tensors[t], split) for t in op.inputs[1:]), ())
-        for name in group.folded:
-            op = self.index.ops[name]
-            wanted = OpStrategy(
-                "tied", tuple(split_of(self.tensors[t], split) if t in self.tensors else REPLICATED for t in op.inputs),
-                tuple(split_of(self.tensors[t], split) for t in op.outputs))
-            match = next((s for s in self.index.strategies(name, self.n) if _same_splits(s, wanted)), None)
-            if match is None or not self._strategy_legal(name, match):
-                return None
-            out[name] = match
-        return out
-
-    def _input_options(self, name: str) -> list[Option]:
-        op = self.index.ops[name]
-        tensor = self.tensors[op.outputs[0]]
-        used = {d.op_strategies[name].outputs[0].dim for d in self.prior} - {None}
-        shrink = self._prior_factor(name, output=0)
-        options = []
-        for split in self._legal_splits(tensor.shape, used):
-            per_device = tensor.num_bytes / shrink / (self.n if split.dim is not None else 1)
-            strategy = OpStrategy("input", (), (split,) + (REPLICATED,) * (len(op.outputs) - 1))
-            options.append(Option(split.text(), {name: strategy}, {}, 0.0, per_device))
-        return options
-
-    def _op_options(self, name: str) -> list[Option]:
-        op = self.index.ops[name]
-        options = []
-        for strategy in self.index.strategies(name, self.n):
-            if not self._strategy_legal(name, strategy):
-                continue
-            memory = 0.0
-            for i, t in enumerate(op.outputs):
-                if t in self.index.peak_live:
-                    split = strategy.outputs[i] if i < len(strategy.outputs) else REPLICATED
-                    memory += self.tensors[t].num_bytes / self._prior_factor(name, output=i) / (
-                        self.n if split.dim is not None else 1)
-            compute = self._compute(name, strategy)
-            tied = self.index.tied_outputs.get(name, ())
-            for grads in _grad_choices(strategy, tied):
-                label = strategy.name + "".join(f"/d{k}={g.text()}" for k, g in grads if g.partial is not None)
-                options.append(Option(label, {name: strategy}, {}, 0.0, memory, compute, grads))
-        return options
-
-    def _strategy_legal(self, name: str, strategy: OpStrategy) -> bool:
-        """DTensor's rules: a dim split on an earlier axis is not split again; splits divide."""
-        op = self.index.ops[name]
-        for names, splits, side in ((op.inputs, strategy.inputs, "in"), (op.outputs, strategy.outputs, "out")):
-            for i, (t, split) in enumerate(zip(names, splits)):
-                if split.dim is None:
-                    continue
-                tensor = self.tensors.get(t)
-                if tensor is None or split.dim >= tensor.rank or tensor.shape[split.dim] % self.n:
-                    return False
-                for d in self.prior:
-                    prev = d.op_strategies.get(name)
-                    if prev is not None and (prev.inputs if side == "in" else prev.outputs)[i].dim == split.dim:
-                        return False
-        return True
-
-    def _prior_factor(self, name: str, *, output: int | None = None, input: int | None = None) -> int:
-        """How much earlier axes already divide a variable group, or an op's input/output."""
-        factor = 1
-        for d in self.prior:
-            if output is None and input is None:
-                split = d.var_splits[name]
-            else:
-                strategy = d.op_strategies[name]
-                split = strategy.outputs[output] if output is not None else strategy.inputs[input]
-            if split.dim is not None:
-                factor *= d.size
-        return factor
-
-    # edges ------------------------------------------------------------------------
-    def _add_use(self, consumer, j, source, nodes, position, unary, pair_costs) -> None:
-        tensor = self.tensors[source]
-        producer = tensor.producer
-        out_index = self.index.ops[producer].outputs.index(source)
-        cu, pu = position[self.index.owner(consumer)], position[self.index.owner(producer)]
-        nbytes = tensor.num_bytes / self._prior_factor(consumer, input=j)
-        tie = self.index.ties.get((consumer, j))
-        if tie is not None:
-            forward, k = tie
-            qu = position[forward]
-            self._add_tie(qu, k, pu, producer, out_index, source, nodes, unary, pair_costs)
-            src = [o.grad(k) for o in nodes[qu].options]
-            pu = qu
-        else:
-            src = [o.strategies[producer].outputs[out_index] for o in nodes[pu].options]
-        dst = [o.strategies[consumer].inputs[j] for o in nodes[cu].options]
-        table = {(s, d): transfer_seconds(s, d, nbytes, self.n, self.link) for s in set(src) for d in set(dst)}
-        cost = np.asarray([[table[s, d] for d in dst] for s in src], dtype=np.float64)
-        self._add_matrix(cu, pu, cost, unary, pair_costs)
-
-    def _add_tie(self, qu, k, pu, producer, out_index, source, nodes, unary, pair_costs) -> None:
-        """Once per tied gradient: its producer must make it as the forward node's option says."""
-        if source in self._tied_done:
-            return
-        self._tied_done.add(source)
-        want = [o.grad(k) for o in nodes[qu].options]
-        made = [o.strategies[producer].outputs[out_index] for o in nodes[pu].options]
-        cost = np.asarray([[0.0 if w == m else TIE_PENALTY for m in made] for w in want], dtype=np.float64)
-        self._add_matrix(pu, qu, cost, unary, pair_costs)
-
-    @staticmethod
-    def _add_matrix(cu, pu, cost, unary, pair_costs) -> None:
-        """Add ``cost[producer option, consumer option]`` between two nodes (or to a unary)."""
-        if cu == pu:
-            unary[cu] += np.diagonal(cost)
-        elif cost.shape[0] == 1:
-            unary[cu] += cost[0]
-        elif cost.shape[1] == 1:
-            unary[pu] += cost[:, 0]
-        else:
-            u, v = (pu, cu) if pu < cu else (cu, pu)
-            matrix = cost if pu < cu else cost.T
-            if (u, v) in pair_costs:
-                pair_costs[u, v] = pair_costs[u, v] + matrix
-            else:
-                pair_costs[u, v] = matrix

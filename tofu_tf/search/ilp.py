@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from scipy import optimize, sparse
 
-from tofu_tf.search.coarsen import AxisProblem
+from tofu_tf.search.problem import AxisProblem
 from tofu_tf.search.tofu_dp import AxisSolution
 
 

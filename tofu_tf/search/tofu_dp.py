@@ -35,6 +35,14 @@ chain (a layer's forward and backward share a stage, so a cut between layers
 crosses only the activation and its gradient). If a cut ever holds more than
 ``max_states`` states, the cheapest are kept and the result is flagged inexact.
 
+**The order.** Forward order is one elimination order of this DP; a
+Transformer's GELU keeps five element-wise forward values open until their
+backward ops (160,000 cut states on GPT-12, far past the cap).
+``solve_axis`` therefore runs the same minimization in the order
+``tofu_tf.search.elimination`` picks (backward ops first: tables of a few
+thousand entries), which also solves each repeated block once; the cut DP
+above (``solve_by_cuts``) remains the fallback and the reference.
+
 **Memory budget.** The budget enters as a Lagrange multiplier :math:`\lambda`
 on each option's memory; ``tofu_tf.search.api`` bisects :math:`\lambda` until
 the exact liveness peak (``tofu_tf.cost.memory``) fits.
@@ -47,14 +55,16 @@ from typing import Sequence
 
 import numpy as np
 
-from tofu_tf.search.coarsen import AxisProblem
+from tofu_tf.search import elimination
+from tofu_tf.search.problem import AxisProblem
 
 DEFAULT_MAX_STATES = 256
 
 
 @dataclasses.dataclass(frozen=True)
 class AxisSolution:
-    """Option index per node, the objective reached, and whether it is proved optimal."""
+    """Option index per node, the objective reached, whether it is proved optimal, and the
+    largest DP state (cut states, or entries of the largest elimination table)."""
 
     choice: tuple[int, ...]
     objective: float
@@ -81,8 +91,21 @@ def _codes(edge) -> _EdgeCodes:
                       tuple(int(c) for c in np.ravel(v_codes)), tuple(map(tuple, table.tolist())))
 
 
-def solve_axis(problem: AxisProblem, lam: float = 0.0, *, max_states: int = DEFAULT_MAX_STATES) -> AxisSolution:
-    """Minimize ``problem``'s objective (communication + ``lam`` * memory) by the DP above."""
+def solve_axis(problem: AxisProblem, lam: float = 0.0, *, max_states: int = DEFAULT_MAX_STATES,
+               max_entries: int = elimination.DEFAULT_MAX_ENTRIES) -> AxisSolution:
+    """Minimize ``problem``'s objective (communication + ``lam`` * memory) exactly.
+
+    The same DP in the elimination order of ``tofu_tf.search.elimination`` (identical
+    blocks solved once); only if a table there would pass ``max_entries`` entries,
+    the forward-order cut DP below, capped at ``max_states`` states."""
+    found = elimination.solve(problem, lam, max_entries=max_entries)
+    if found is not None:
+        return AxisSolution(found.choice, found.objective, True, found.widest)
+    return solve_by_cuts(problem, lam, max_states=max_states)
+
+
+def solve_by_cuts(problem: AxisProblem, lam: float = 0.0, *, max_states: int = DEFAULT_MAX_STATES) -> AxisSolution:
+    """Minimize ``problem``'s objective by the forward-order cut DP above."""
     edges = [_codes(e) for e in problem.edges]
     opening: list[list[int]] = [[] for _ in problem.nodes]
     for index, edge in enumerate(edges):

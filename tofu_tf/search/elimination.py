@@ -1,0 +1,276 @@
+r"""The exact per-axis solver: min-sum variable elimination, with repeated blocks solved once.
+
+The per-axis problem (``tofu_tf.search.problem``) is a pairwise objective over
+decision nodes,
+
+.. math:: F(a) = \sum_v c_v(a_v) + \lambda m_v(a_v) + \sum_{(u,v)} w_{uv}(a_u, a_v).
+
+Tofu's DP places nodes in forward order and keeps, per cut, the layouts of
+the tensors crossing it. That is one *elimination order* of the same dynamic
+program; this module lets the order follow the graph instead. Eliminating a
+node :math:`x` with neighbours :math:`N(x)` replaces every term that mentions
+:math:`x` by one table
+
+.. math:: g(a_{N(x)}) = \min_{a_x} \sum_{f \ni x} f(a_x, a_{N(x)}),
+
+and remembers the argmin, so the minimizer is read back in reverse order.
+The result is exact for every order; the order only decides the table sizes.
+Nodes are taken greedily by the smallest table they would create (the
+"min-weight" heuristic). On a Transformer block a forward-order cut holds
+every element-wise GELU value that a backward op will read (160,000 states
+on GPT-12, above the cut DP's cap); eliminating the backward ops first keeps
+every table under a few thousand entries.
+
+**Repeated blocks.** When the problem says that blocks of nodes repeat
+(``AxisProblem.blocks``), the nodes of a block that touch nothing outside it
+(*interior* nodes) are eliminated once per distinct block, leaving a table over
+the block's boundary nodes; every identical block reuses that table and those
+argmins. Blocks are checked here, not trusted: a block is folded only if its
+interior nodes' costs and the edges among them equal the first block's
+(the same arrays, or equal ones). So the optimum is the optimum of the
+unfolded problem -- folding changes the work, never the answer.
+
+A table larger than ``max_entries`` makes ``solve`` return None; the caller
+then falls back to the forward-order cut DP (``tofu_tf.search.tofu_dp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from typing import Sequence
+
+import numpy as np
+
+from tofu_tf.search.problem import AxisProblem, Blocks
+
+DEFAULT_MAX_ENTRIES = 1 << 21
+
+
+class _TooWide(Exception):
+    """An elimination would build a table above the size limit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    """One eliminated node: its best option for every assignment of its neighbours."""
+
+    node: int
+    neighbours: tuple[int, ...]
+    argmin: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class EliminationResult:
+    choice: tuple[int, ...]
+    objective: float
+    widest: int          # entries of the largest table built
+    folded_blocks: int   # blocks whose interior was solved by reusing another block's tables
+
+
+class _Factors:
+    """Tables over sets of nodes, and per node the tables that mention it."""
+
+    def __init__(self, domain: Sequence[int], max_entries: int):
+        self.domain = domain
+        self.max_entries = max_entries
+        self.tables: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
+        self.of_node: dict[int, set[int]] = {}
+        self.constant = 0.0
+        self.widest = 1
+        self._next = 0
+
+    def add(self, nodes: tuple[int, ...], table: np.ndarray) -> None:
+        """Add a table whose axes follow ``nodes`` (any order, no repeats)."""
+        if not nodes:
+            self.constant += float(table)
+            return
+        fid = self._next
+        self._next += 1
+        self.tables[fid] = (nodes, table)
+        for v in nodes:
+            self.of_node.setdefault(v, set()).add(fid)
+
+    def neighbours(self, x: int) -> set[int]:
+        out: set[int] = set()
+        for fid in self.of_node.get(x, ()):
+            out.update(self.tables[fid][0])
+        out.discard(x)
+        return out
+
+    def weight(self, x: int) -> int:
+        return self.domain[x] * math.prod(self.domain[v] for v in self.neighbours(x))
+
+    def eliminate(self, x: int) -> _Record:
+        fids = self.of_node.pop(x, set())
+        rest = sorted(set().union(*(self.tables[f][0] for f in fids)) - {x}) if fids else []
+        order = [x] + rest
+        where = {v: i for i, v in enumerate(order)}
+        shape = tuple(self.domain[v] for v in order)
+        size = math.prod(shape)
+        if size > self.max_entries:
+            raise _TooWide
+        self.widest = max(self.widest, size)
+        total = np.zeros(shape)
+        for fid in fids:
+            nodes, table = self.tables.pop(fid)
+            perm = sorted(range(len(nodes)), key=lambda a: where[nodes[a]])
+            if perm != list(range(len(nodes))):
+                table = table.transpose(perm)
+            present = {nodes[a] for a in perm}
+            total = total + table.reshape(tuple(self.domain[v] if v in present else 1 for v in order))
+            for v in nodes:
+                if v != x:
+                    self.of_node[v].discard(fid)
+        argmin = np.argmin(total, axis=0)
+        best = np.take_along_axis(total, argmin[None], axis=0)[0]
+        self.add(tuple(rest), best)
+        return _Record(x, tuple(rest), argmin)
+
+    def eliminate_greedily(self, candidates: set[int]) -> list[_Record]:
+        """Eliminate ``candidates``, always the one whose table would be smallest."""
+        heap = [(self.weight(x), x) for x in candidates]
+        heapq.heapify(heap)
+        left = set(candidates)
+        records = []
+        while heap:
+            w, x = heapq.heappop(heap)
+            if x not in left:
+                continue
+            current = self.weight(x)
+            if current != w:
+                heapq.heappush(heap, (current, x))
+                continue
+            touched = self.neighbours(x)
+            records.append(self.eliminate(x))
+            left.discard(x)
+            for v in touched & left:
+                heapq.heappush(heap, (self.weight(v), v))
+        return records
+
+
+def solve(problem: AxisProblem, lam: float = 0.0, *,
+          max_entries: int = DEFAULT_MAX_ENTRIES) -> EliminationResult | None:
+    """Minimize ``problem``'s objective exactly; None if some table would exceed ``max_entries``."""
+    try:
+        return _solve(problem, lam, max_entries)
+    except _TooWide:
+        return None
+
+
+def _solve(problem: AxisProblem, lam: float, max_entries: int) -> EliminationResult:
+    domain = [len(node.options) for node in problem.nodes]
+    folds = _foldable(problem) if problem.blocks is not None else []
+    skip_nodes: set[int] = set()
+    skip_edges: set[int] = set()
+    block_records: list[tuple[int, list[_Record]]] = []
+    factors = _Factors(domain, max_entries)
+    for start, members, interior, edge_ids in folds:
+        local = _Factors(domain, max_entries)       # indices of the first block of the group
+        first = members[0]
+        for i in range(first, first + problem.blocks.period):
+            local.add((i,), problem.unary[i] + lam * problem.memory[i])
+        for e in edge_ids[first]:
+            edge = problem.edges[e]
+            local.add((edge.u, edge.v), edge.cost)
+        records = local.eliminate_greedily({first + r for r in interior})
+        factors.widest = max(factors.widest, local.widest)
+        leftovers = list(local.tables.values())
+        for b in members:
+            shift = b - first
+            for nodes, table in leftovers:
+                factors.add(tuple(v + shift for v in nodes), table)
+            factors.constant += local.constant
+            block_records.append((shift, records))
+            skip_nodes.update(b + r for r in interior)
+            skip_edges.update(edge_ids[b])
+            for r in range(problem.blocks.period):
+                if r not in interior:
+                    skip_nodes.discard(b + r)
+    for i in range(len(problem.nodes)):
+        if i in skip_nodes:
+            continue
+        if not _covered(i, folds, problem.blocks):
+            factors.add((i,), problem.unary[i] + lam * problem.memory[i])
+    for e, edge in enumerate(problem.edges):
+        if e not in skip_edges:
+            factors.add((edge.u, edge.v), edge.cost)
+    remaining = set(range(len(problem.nodes))) - skip_nodes
+    records = factors.eliminate_greedily(remaining)
+    choice = [0] * len(problem.nodes)
+    _read_back(records, choice, 0)
+    for shift, block in reversed(block_records):
+        _read_back(block, choice, shift)
+    objective = factors.constant
+    return EliminationResult(tuple(choice), float(objective), factors.widest,
+                             sum(len(m) - 1 for _, m, _, _ in folds))
+
+
+def _read_back(records: list[_Record], choice: list[int], shift: int) -> None:
+    for record in reversed(records):
+        index = tuple(choice[v + shift] for v in record.neighbours)
+        choice[record.node + shift] = int(record.argmin[index]) if index else int(record.argmin)
+
+
+def _covered(i: int, folds, blocks: Blocks | None) -> bool:
+    """Whether node ``i`` is a boundary node of a folded block (its unary went in with the block)."""
+    if blocks is None:
+        return False
+    b = blocks.block_start(i)
+    return b is not None and any(b in members for _, members, _, _ in folds)
+
+
+def _foldable(problem: AxisProblem):
+    """Groups of identical blocks: (template, block starts, interior offsets, edge ids per block).
+
+    A block joins its template's group only if every node's costs and every edge
+    inside it equal the template block's; interior nodes are those no block of the
+    group connects to anything outside the block."""
+    blocks = problem.blocks
+    period = blocks.period
+    inside: dict[int, list[int]] = {b: [] for b in blocks.starts()}
+    boundary: dict[int, set[int]] = {b: set() for b in blocks.starts()}
+    for e, edge in enumerate(problem.edges):
+        bu, bv = blocks.block_start(edge.u), blocks.block_start(edge.v)
+        if bu is not None and bu == bv:
+            inside[bu].append(e)
+            continue
+        if bu is not None:
+            boundary[bu].add(edge.u - bu)
+        if bv is not None:
+            boundary[bv].add(edge.v - bv)
+    groups: dict[int, list[int]] = {}
+    for b, template in zip(blocks.starts(), blocks.templates):
+        groups.setdefault(template, []).append(b)
+    folds = []
+    for template, starts in groups.items():
+        first = starts[0]
+        shape = _internal_shape(problem, first, inside[first])
+        members = [b for b in starts if b == first or _same_block(problem, first, b, period, inside, shape)]
+        if len(members) < 2:
+            continue
+        outside = set().union(*(boundary[b] for b in members))
+        interior = frozenset(r for r in range(period) if r not in outside)
+        if interior:
+            folds.append((first, members, interior, inside))
+    return folds
+
+
+def _internal_shape(problem: AxisProblem, start: int, edge_ids: list[int]):
+    return {(problem.edges[e].u - start, problem.edges[e].v - start): problem.edges[e].cost for e in edge_ids}
+
+
+def _same_block(problem: AxisProblem, a: int, b: int, period: int, inside, shape_a) -> bool:
+    for r in range(period):
+        if not (_same(problem.unary[a + r], problem.unary[b + r])
+                and _same(problem.memory[a + r], problem.memory[b + r])):
+            return False
+    shape_b = _internal_shape(problem, b, inside[b])
+    if shape_a.keys() != shape_b.keys():
+        return False
+    return all(_same(shape_a[k], shape_b[k]) for k in shape_a)
+
+
+def _same(x: np.ndarray, y: np.ndarray) -> bool:
+    return x is y or (x.shape == y.shape and bool(np.array_equal(x, y)))

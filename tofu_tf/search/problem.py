@@ -1,0 +1,429 @@
+"""The per-axis decision problem: options per coarsened node, pairwise edge costs.
+
+This module owns *what is decided on one mesh axis* given the axes decided
+before it: it turns the nodes of a ``GraphIndex`` (``tofu_tf.search.coarsen``)
+into options, and the uses between nodes into edges priced by the cost model.
+It must not choose anything; ``tofu_dp``/``elimination`` and ``ilp`` solve the
+same problem.
+
+Edge cost (axis ``k`` of size ``n``, tensor ``t`` from producer option ``a`` to
+consumer option ``b``) is the collective of ``tofu_tf.cost.collectives`` for
+``t``'s bytes after the splits the consumer already required on axes ``< k``
+(Tofu's recursion: shapes shrink as axes are applied).
+
+**Compute.** Each option also carries the compute seconds of its ops
+(``tofu_tf.cost.compute``): an op's work divided by the devices earlier axes
+split it over, and by this axis's size unless the option replicates it. The
+unary cost of an option is its communication plus its compute.
+
+**Gradient ties** (see ``coarsen``): the use of a tied gradient is priced from
+the forward node's option, and a tie edge forbids (``TIE_PENALTY`` seconds)
+any producer option that makes the gradient otherwise.
+
+**Repeated blocks.** Where the index found blocks of identical nodes
+(``GraphIndex.run``), blocks whose nodes also had the same decisions on every
+earlier axis get identical options, costs and internal edges: the first such
+block is built, the others share its arrays (copy-on-write where an edge to
+outside the block adds to a cost). ``AxisProblem.blocks`` says which blocks
+share a template; the solver checks the arrays before folding them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from tofu_tf.cost.collectives import transfer_seconds
+from tofu_tf.cost.compute import is_split
+from tofu_tf.cost.hardware import Link
+from tofu_tf.search.coarsen import P_SUM, GraphIndex, TieEdge, Use, VarGroup, same_splits, split_of
+from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, TensorSplit
+
+TIE_PENALTY = 1e3   # seconds: larger than any step, so a broken gradient tie never wins
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisDecision:
+    """What one mesh axis decided: a strategy per op, a split per variable and input."""
+
+    size: int
+    op_strategies: Mapping[str, OpStrategy]
+    var_splits: Mapping[str, TensorSplit]
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One choice of a node: a strategy per member op (in ``Node.members`` order), the
+    weight's split (variable nodes), the communication inside the node (seconds), its
+    memory proxy (bytes), its compute seconds, and (for tied outputs) how each output's
+    gradient is produced. Options name no op, so identical blocks share them."""
+
+    label: str
+    strategies: tuple[OpStrategy, ...]
+    var_split: TensorSplit | None
+    comm: float
+    memory: float
+    compute: float = 0.0
+    grads: tuple[tuple[int, TensorSplit], ...] = ()
+
+    def grad(self, output: int) -> TensorSplit:
+        return dict(self.grads)[output]
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """A decision node: its member ops, the variable paths it lays out, its options."""
+
+    name: str
+    options: tuple[Option, ...]
+    members: tuple[str, ...] = ()
+    paths: tuple[str, ...] = ()
+
+    def strategies(self, option: int) -> dict[str, OpStrategy]:
+        return dict(zip(self.members, self.options[option].strategies))
+
+    def var_splits(self, option: int) -> dict[str, TensorSplit]:
+        split = self.options[option].var_split
+        return {} if split is None else {p: split for p in self.paths}
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    """Communication between two nodes (``u`` before ``v`` in DP order):
+    ``cost[a, b]`` seconds when ``u`` takes option ``a`` and ``v`` option ``b``."""
+
+    u: int
+    v: int
+    cost: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Equal-length blocks of consecutive nodes from ``start``; blocks with the same
+    template id were built from the same template (a hint the solver verifies)."""
+
+    start: int
+    period: int
+    templates: tuple[int, ...]
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * len(self.templates)
+
+    def starts(self) -> range:
+        return range(self.start, self.stop, self.period)
+
+    def block_start(self, i: int) -> int | None:
+        if self.start <= i < self.stop:
+            return i - (i - self.start) % self.period
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisProblem:
+    nodes: tuple[Node, ...]
+    edges: tuple[Edge, ...]
+    unary: tuple[np.ndarray, ...]   # per node, per option: comm + compute seconds incl. edges to fixed nodes
+    memory: tuple[np.ndarray, ...]  # per node, per option: memory proxy bytes
+    blocks: Blocks | None = None
+
+    def objective(self, choice: Sequence[int], lam: float) -> float:
+        total = sum(self.unary[i][c] + lam * self.memory[i][c] for i, c in enumerate(choice))
+        return float(total + sum(e.cost[choice[e.u], choice[e.v]] for e in self.edges))
+
+    def time(self, choice: Sequence[int]) -> float:
+        """Modeled seconds of this axis's choice: communication plus compute."""
+        return self.objective(choice, 0.0)
+
+    def compute(self, choice: Sequence[int]) -> float:
+        return float(sum(self.nodes[i].options[c].compute for i, c in enumerate(choice)))
+
+    def comm(self, choice: Sequence[int]) -> float:
+        return self.time(choice) - self.compute(choice)
+
+
+class ProblemBuilder:
+    """Builds the problem of mesh axis ``len(prior)`` given the axes decided before it.
+
+    ``restrict`` (node name, option) -> bool keeps a subset of options (the baselines);
+    it may read names, so a restricted problem is built without sharing blocks."""
+
+    def __init__(self, index: GraphIndex, prior: Sequence[AxisDecision], n: int, link: Link,
+                 restrict: Callable[[str, Option], bool] | None = None):
+        self.index, self.prior, self.n, self.link = index, tuple(prior), n, link
+        self.restrict = restrict
+        self.tensors = index.graph.tensors
+        self._matrices: dict[tuple, np.ndarray] = {}
+
+    def build(self) -> AxisProblem:
+        index = self.index
+        names = index.node_names()
+        run = index.run if self.restrict is None else None
+        templates = self._templates(run, names) if run is not None else None
+        copy_of = self._copy_sources(run, templates)
+        nodes: list[Node] = []
+        unary: list[np.ndarray] = []
+        memory: list[np.ndarray] = []
+        for i, name in enumerate(names):
+            source = copy_of.get(i)
+            options = tuple(self._options(name)) if source is None else nodes[source].options
+            nodes.append(Node(name, options, index.members[name], index.paths[name]))
+            if source is None:
+                unary.append(np.asarray([o.comm + o.compute for o in options], dtype=np.float64))
+                memory.append(np.asarray([o.memory for o in options], dtype=np.float64))
+            else:
+                unary.append(unary[source])     # replaced after the template's internal uses
+                memory.append(memory[source])
+        pair_costs: dict[tuple[int, int], np.ndarray] = {}
+        template_blocks = set(templates or ())
+        internal = [b for b in template_blocks]
+        for b in internal:                       # 1. inside each template block
+            for tie in index.tie_edges_in_block.get(b, ()):
+                self._add_tie(tie, nodes, unary, pair_costs, set())
+            for use in index.uses_in_block.get(b, ()):
+                self._add_use(use, nodes, unary, pair_costs, set())
+        shared: set[int] = set()
+        if run is not None:                      # 2. identical blocks share the template's arrays
+            self._share_blocks(run, templates, copy_of, unary, pair_costs, shared)
+        for tie in index.tie_edges:              # 3. everything else
+            if run is None or tie.block < 0:
+                self._add_tie(tie, nodes, unary, pair_costs, shared)
+        for use in index.use_table:
+            if run is None or use.block < 0:
+                self._add_use(use, nodes, unary, pair_costs, shared)
+        edges = tuple(Edge(u, v, c) for (u, v), c in sorted(pair_costs.items()))
+        blocks = Blocks(run.start, run.period, tuple(templates)) if run is not None else None
+        return AxisProblem(tuple(nodes), edges, tuple(unary), tuple(memory), blocks)
+
+    # repeated blocks ----------------------------------------------------------------
+    def _templates(self, run, names) -> list[int]:
+        """Per block, the first block with the same decisions on every earlier axis."""
+        first: dict[tuple, int] = {}
+        out = []
+        for b in range(run.count):
+            start = run.start + b * run.period
+            sig = tuple(self._prior_signature(names[i]) for i in range(start, start + run.period)) \
+                if self.prior else ()
+            out.append(first.setdefault(sig, b))
+        return out
+
+    def _prior_signature(self, name: str) -> tuple:
+        if name.startswith("var:"):
+            return tuple(d.var_splits[name[4:]] for d in self.prior)
+        return tuple(d.op_strategies[name] for d in self.prior)
+
+    @staticmethod
+    def _copy_sources(run, templates) -> dict[int, int]:
+        if run is None:
+            return {}
+        out = {}
+        for b, t in enumerate(templates):
+            if t != b:
+                delta = (b - t) * run.period
+                start = run.start + b * run.period
+                out.update({i: i - delta for i in range(start, start + run.period)})
+        return out
+
+    def _share_blocks(self, run, templates, copy_of, unary, pair_costs, shared) -> None:
+        by_template: dict[int, list[tuple[int, int, np.ndarray]]] = {}
+        for (u, v), cost in pair_costs.items():
+            b = (u - run.start) // run.period if run.start <= u < run.start + run.period * run.count else -1
+            if b >= 0 and templates[b] == b:
+                by_template.setdefault(b, []).append((u, v, cost))
+        for i, source in copy_of.items():
+            unary[i] = unary[source]
+            shared.add(i)
+            shared.add(source)
+        for b, t in enumerate(templates):
+            if t == b:
+                continue
+            delta = (b - t) * run.period
+            for u, v, cost in by_template.get(t, ()):
+                pair_costs[u + delta, v + delta] = cost
+
+    # options --------------------------------------------------------------------
+    def _options(self, name: str) -> list[Option]:
+        if name.startswith("var:"):
+            options = self._var_options(self.index.groups[name[4:]])
+        elif name in self.index.input_ops:
+            options = self._input_options(name)
+        else:
+            options = self._op_options(name)
+        if self.restrict is not None:
+            kept = [o for o in options if self.restrict(name, o)]
+            options = kept or options
+        return options
+
+    def _legal_splits(self, shape, used: set[int]) -> list[TensorSplit]:
+        out = [REPLICATED]
+        out += [TensorSplit(d) for d, extent in enumerate(shape) if d not in used and extent % self.n == 0]
+        return out
+
+    def _var_options(self, group: VarGroup) -> list[Option]:
+        used = {d.var_splits[group.key].dim for d in self.prior} - {None}
+        shrink = self._prior_factor(group.key)
+        options = []
+        splits = [REPLICATED] if group.key in self.index.pinned else self._legal_splits(group.shape, used)
+        members = self.index.members["var:" + group.key]
+        for split in splits:
+            strategies = self._group_strategies(group, split)
+            if strategies is None:
+                continue
+            per_device = group.nbytes / shrink / (self.n if split.dim is not None else 1)
+            compute = sum(self._compute(op, strategies[op]) for op in group.folded)
+            options.append(Option(split.text(), tuple(strategies[m] for m in members), split, 0.0, per_device,
+                                  compute))
+        return options
+
+    def _compute(self, op_name: str, strategy: OpStrategy) -> float:
+        """Seconds of ``op_name`` on one device: its work over the devices splitting it so far."""
+        work = self.index.work.get(op_name, 0.0)
+        if not work:
+            return 0.0
+        factor = self.n if is_split(strategy) else 1
+        for d in self.prior:
+            prev = d.op_strategies.get(op_name)
+            if prev is not None and is_split(prev):
+                factor *= d.size
+        return work / factor
+
+    def _group_strategies(self, group: VarGroup, split: TensorSplit) -> dict[str, OpStrategy] | None:
+        out: dict[str, OpStrategy] = {}
+        for name in group.reads:
+            out[name] = OpStrategy("read", (REPLICATED,), (split,))
+        for name in group.assigns:
+            op = self.index.ops[name]
+            out[name] = OpStrategy("assign", (REPLICATED,) + tuple(
+                split_of(self.tensors[t], split) for t in op.inputs[1:]), ())
+        for name in group.folded:
+            op = self.index.ops[name]
+            wanted = OpStrategy(
+                "tied", tuple(split_of(self.tensors[t], split) if t in self.tensors else REPLICATED for t in op.inputs),
+                tuple(split_of(self.tensors[t], split) for t in op.outputs))
+            match = next((s for s in self.index.strategies(name, self.n) if same_splits(s, wanted)), None)
+            if match is None or not self._strategy_legal(name, match):
+                return None
+            out[name] = match
+        return out
+
+    def _input_options(self, name: str) -> list[Option]:
+        op = self.index.ops[name]
+        tensor = self.tensors[op.outputs[0]]
+        used = {d.op_strategies[name].outputs[0].dim for d in self.prior} - {None}
+        shrink = self._prior_factor(name, output=0)
+        options = []
+        for split in self._legal_splits(tensor.shape, used):
+            per_device = tensor.num_bytes / shrink / (self.n if split.dim is not None else 1)
+            strategy = OpStrategy("input", (), (split,) + (REPLICATED,) * (len(op.outputs) - 1))
+            options.append(Option(split.text(), (strategy,), None, 0.0, per_device))
+        return options
+
+    def _op_options(self, name: str) -> list[Option]:
+        op = self.index.ops[name]
+        options = []
+        for strategy in self.index.strategies(name, self.n):
+            if not self._strategy_legal(name, strategy):
+                continue
+            memory = 0.0
+            for i, t in enumerate(op.outputs):
+                if t in self.index.peak_live:
+                    split = strategy.outputs[i] if i < len(strategy.outputs) else REPLICATED
+                    memory += self.tensors[t].num_bytes / self._prior_factor(name, output=i) / (
+                        self.n if split.dim is not None else 1)
+            compute = self._compute(name, strategy)
+            tied = self.index.tied_outputs.get(name, ())
+            for grads in _grad_choices(strategy, tied):
+                label = strategy.name + "".join(f"/d{k}={g.text()}" for k, g in grads if g.partial is not None)
+                options.append(Option(label, (strategy,), None, 0.0, memory, compute, grads))
+        return options
+
+    def _strategy_legal(self, name: str, strategy: OpStrategy) -> bool:
+        """DTensor's rules: a dim split on an earlier axis is not split again; splits divide."""
+        op = self.index.ops[name]
+        for names, splits, side in ((op.inputs, strategy.inputs, "in"), (op.outputs, strategy.outputs, "out")):
+            for i, (t, split) in enumerate(zip(names, splits)):
+                if split.dim is None:
+                    continue
+                tensor = self.tensors.get(t)
+                if tensor is None or split.dim >= tensor.rank or tensor.shape[split.dim] % self.n:
+                    return False
+                for d in self.prior:
+                    prev = d.op_strategies.get(name)
+                    if prev is not None and (prev.inputs if side == "in" else prev.outputs)[i].dim == split.dim:
+                        return False
+        return True
+
+    def _prior_factor(self, name: str, *, output: int | None = None, input: int | None = None) -> int:
+        """How much earlier axes already divide a variable group, or an op's input/output."""
+        factor = 1
+        for d in self.prior:
+            if output is None and input is None:
+                split = d.var_splits[name]
+            else:
+                strategy = d.op_strategies[name]
+                split = strategy.outputs[output] if output is not None else strategy.inputs[input]
+            if split.dim is not None:
+                factor *= d.size
+        return factor
+
+    # edges ------------------------------------------------------------------------
+    def _add_use(self, use: Use, nodes, unary, pair_costs, shared) -> None:
+        nbytes = self.tensors[use.source].num_bytes / self._prior_factor(use.consumer, input=use.j)
+        if use.tie is not None:
+            pu, k = use.tie
+            src = tuple(o.grad(k) for o in nodes[pu].options)
+        else:
+            pu, member, out = use.producer_node, use.producer_member, use.out_index
+            src = tuple(o.strategies[member].outputs[out] for o in nodes[pu].options)
+        member, j = use.consumer_member, use.j
+        dst = tuple(o.strategies[member].inputs[j] for o in nodes[use.consumer_node].options)
+        self._add_matrix(use.consumer_node, pu, self._transfer_matrix(src, dst, nbytes), unary, pair_costs, shared)
+
+    def _transfer_matrix(self, src: tuple, dst: tuple, nbytes: float) -> np.ndarray:
+        key = (src, dst, nbytes)
+        matrix = self._matrices.get(key)
+        if matrix is None:
+            table = {(s, d): transfer_seconds(s, d, nbytes, self.n, self.link) for s in set(src) for d in set(dst)}
+            matrix = np.asarray([[table[s, d] for d in dst] for s in src], dtype=np.float64)
+            self._matrices[key] = matrix
+        return matrix
+
+    def _add_tie(self, tie: TieEdge, nodes, unary, pair_costs, shared) -> None:
+        """A tied gradient's producer must make it as the forward node's option says."""
+        want = [o.grad(tie.k) for o in nodes[tie.forward_node].options]
+        made = [o.strategies[tie.producer_member].outputs[tie.out_index] for o in nodes[tie.producer_node].options]
+        cost = np.asarray([[0.0 if w == m else TIE_PENALTY for m in made] for w in want], dtype=np.float64)
+        self._add_matrix(tie.producer_node, tie.forward_node, cost, unary, pair_costs, shared)
+
+    @staticmethod
+    def _add_matrix(cu, pu, cost, unary, pair_costs, shared) -> None:
+        """Add ``cost[producer option, consumer option]`` between two nodes (or to a unary).
+        Arrays in ``shared`` belong to several blocks: they are copied before a change."""
+        if cost.shape[0] == 1 or cost.shape[1] == 1 or cu == pu:
+            target = cu if (cu == pu or cost.shape[0] == 1) else pu
+            add = np.diagonal(cost) if cu == pu else (cost[0] if cost.shape[0] == 1 else cost[:, 0])
+            if target in shared:
+                unary[target] = unary[target] + add
+                shared.discard(target)
+            else:
+                unary[target] += add
+            return
+        u, v = (pu, cu) if pu < cu else (cu, pu)
+        matrix = cost if pu < cu else cost.T
+        if (u, v) in pair_costs:
+            pair_costs[u, v] = pair_costs[u, v] + matrix
+        else:
+            pair_costs[u, v] = matrix
+
+
+def _grad_choices(strategy: OpStrategy, tied: Sequence[int]) -> list[tuple[tuple[int, TensorSplit], ...]]:
+    """How the gradients of ``strategy``'s tied outputs may be produced: split like the
+    output, or (output whole or partial) whole or as partial sums."""
+    choices: list[tuple[tuple[int, TensorSplit], ...]] = [()]
+    for k in tied:
+        out = strategy.outputs[k] if k < len(strategy.outputs) else REPLICATED
+        grads = [TensorSplit(out.dim)] if out.dim is not None else [REPLICATED, P_SUM]
+        choices = [c + ((k, g),) for c in choices for g in grads]
+    return choices
