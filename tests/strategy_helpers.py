@@ -24,6 +24,11 @@ MODELS = {
     "mlp": lambda: models.mlp(width=32, depth=2),
     "cnn_bn": lambda: models.cnn(channels=8),
     "lstm": lambda: models.rnn(cell="lstm", hidden=16, seq_len=5),
+    "gru": lambda: models.rnn(cell="gru", hidden=16, seq_len=5, num_layers=1),
+    # Embedding rows get a sparse gradient (ResourceScatterAdd under Adam).
+    "embedding": lambda: keras.Sequential([keras.Input((4,), dtype="int32"),
+                                           keras.layers.Embedding(32, 16, name="embedding"),
+                                           keras.layers.Dense(32, name="head")], name="embedding_lm"),
     "transformer": lambda: models.gpt(num_layers=1, d_model=16, num_heads=4, seq_len=8, vocab_size=32),
 }
 
