@@ -88,6 +88,7 @@ class Liveness:
         self.start = np.asarray(starts, dtype=np.int64)
         self.end = np.asarray(ends, dtype=np.int64)
         self.num_steps = max(len(graph.ops), 1)
+        self._gradient_mask: np.ndarray | None = None
 
     def live_curve(self, nbytes: np.ndarray) -> np.ndarray:
         """Bytes alive at each op of the schedule, for per-tensor bytes in ``self.names`` order."""
@@ -106,11 +107,18 @@ class Liveness:
     def report(self, tensor_bytes: Mapping[str, float], variable_bytes: Mapping[str, float], *,
                top: int = 8) -> MemoryReport:
         """The peak under per-device tensor and variable bytes."""
-        nbytes = self.bytes_array(tensor_bytes)
+        return self.report_array(self.bytes_array(tensor_bytes), variable_bytes, top=top)
+
+    def report_array(self, nbytes: np.ndarray, variable_bytes: Mapping[str, float], *,
+                     top: int = 8) -> MemoryReport:
+        """``report`` with the tensor bytes as an array in ``self.names`` order."""
         curve = self.live_curve(nbytes) if len(nbytes) else np.zeros(1)
         step = int(np.argmax(curve))
         alive = self.live_at(step) if len(nbytes) else np.zeros(0, dtype=bool)
-        grads = np.asarray([self.graph.tensors[n].role is ir.Role.GRADIENT for n in self.names], dtype=bool)
+        if self._gradient_mask is None:
+            self._gradient_mask = np.asarray([self.graph.tensors[n].role is ir.Role.GRADIENT for n in self.names],
+                                             dtype=bool)
+        grads = self._gradient_mask
         weights = slots = 0.0
         for path, size in variable_bytes.items():
             if self.graph.variables[path].kind is ir.VariableKind.OPTIMIZER_SLOT:

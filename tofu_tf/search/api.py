@@ -15,7 +15,7 @@ import time
 from typing import Callable, Sequence
 
 from tofu_tf import ir
-from tofu_tf.cost.evaluate import StepCost, op_work_seconds, producer_splits, step_cost
+from tofu_tf.cost.evaluate import StepCost, StepPricer, op_work_seconds
 from tofu_tf.cost.hardware import H100_NVLINK, HardwareProfile, profile
 from tofu_tf.cost.memory import Liveness
 from tofu_tf.mesh import MeshSpec, ordered_factorizations
@@ -73,9 +73,9 @@ def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | 
     budget = hardware.memory_bytes if memory_budget_bytes is None else int(memory_budget_bytes)
     provider = restrict_provider(strategy_provider or _default_provider(), target, graph)
     work = op_work_seconds(graph, hardware)
-    index = GraphIndex(graph, provider, pinned=pinned_variables(graph, target),
-                       work={} if objective is Objective.COMM else work)
     liveness = Liveness(graph)
+    index = GraphIndex(graph, provider, pinned=pinned_variables(graph, target),
+                       work={} if objective is Objective.COMM else work, liveness=liveness)
     meshes, restrict = _meshes_and_restriction(method, index, num_devices, mesh_shape)
     solver = _solver(method, max_states, time_limit_s)
     search = _Search(index, liveness, hardware, solver, restrict, work)
@@ -132,6 +132,7 @@ class _Search:
     def __init__(self, index: GraphIndex, liveness: Liveness, hardware: HardwareProfile,
                  solver: AxisSolver, restrict, work):
         self.index, self.liveness, self.hardware, self.work = index, liveness, hardware, work
+        self.pricer = StepPricer(index.graph, liveness)
         self.solver, self.restrict = solver, restrict
         self._prefixes: dict[tuple, tuple[tuple[AxisDecision, ...], bool]] = {}
         self.solves = 0
@@ -151,8 +152,7 @@ class _Search:
                                        exact and solution.exact)
             decisions, exact = self._prefixes[key]
         op_strategies, var_splits = _merge(decisions)
-        cost = step_cost(self.index.graph, mesh, self.hardware, op_strategies, var_splits, liveness=self.liveness,
-                         work_seconds=self.work)
+        cost = self.pricer.price(mesh, self.hardware, op_strategies, var_splits, work_seconds=self.work)
         self.proved = self.proved and exact
         return _Candidate(mesh, decisions, cost, exact)
 
@@ -248,7 +248,7 @@ def _to_plan(best: _Candidate, graph: ir.Graph, method: Method, objective: Objec
              hardware: HardwareProfile, budget, seconds: float, search: _Search, target: Target) -> Plan:
     names = _axis_names(best, search.index, method)
     op_strategies, var_splits = _merge(best.decisions)
-    produced = producer_splits(graph, op_strategies, len(names))
+    produced = search.pricer.producer_splits(op_strategies, len(names), graph.tensors)
     tensor_layouts, partial = {}, {}
     for name, tensor in graph.tensors.items():
         if tensor.role is ir.Role.RESOURCE or ir.dtype_size(tensor.dtype) == 0:

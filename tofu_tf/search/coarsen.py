@@ -17,6 +17,8 @@ Coarsening (Tofu section 5, generalized):
   node whose option is *the weight's layout*. This ties weight, slots and the
   gradient's consumer to one layout, as Tofu ties a tensor to its gradient.
 * **Inputs** are nodes whose option is the batch tensor's layout.
+* **Scalar reads** (reads of rank-0 variables: Adam's step count, hyperparameters)
+  are whole on every device and cost nothing to move: not decisions.
 * Every other op with bytes is a node whose options are its legal strategies
   (the semantics provider's list, minus splits DTensor forbids: a tensor dim
   already split by an earlier mesh axis, or a dim that does not divide).
@@ -94,8 +96,7 @@ class Use:
 
     Positions are in node order; ``*_member`` index the op in its node's
     ``members``. ``tie`` is (forward node, output) when ``source`` is a tied
-    gradient (the use is then priced from the forward node's option). ``block``
-    is the repeated block the use lies inside, or -1."""
+    gradient (the use is then priced from the forward node's option)."""
 
     consumer: str
     j: int
@@ -106,13 +107,12 @@ class Use:
     producer_member: int
     out_index: int
     tie: tuple[int, int] | None
-    block: int = -1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TieEdge:
     """Gradient ``source`` (output ``out_index`` of a member of ``producer_node``) must
-    be made as output ``k`` of ``forward_node``'s option says. ``block`` as in ``Use``."""
+    be made as output ``k`` of ``forward_node``'s option says."""
 
     source: str
     producer_node: int
@@ -120,14 +120,14 @@ class TieEdge:
     out_index: int
     forward_node: int
     k: int
-    block: int = -1
 
 
 class GraphIndex:
     """Everything about a graph the per-axis problems share (built once per graph)."""
 
     def __init__(self, graph: ir.Graph, provider: StrategyProvider, *, pinned: frozenset[str] = frozenset(),
-                 work: Mapping[str, float] | None = None, tie_gradients: bool = True, fold_blocks: bool = True):
+                 work: Mapping[str, float] | None = None, tie_gradients: bool = True, fold_blocks: bool = True,
+                 liveness: Liveness | None = None):
         self.graph = graph
         self.provider = provider
         self.pinned = pinned               # weight paths that stay replicated (the lowering target's rule)
@@ -139,7 +139,10 @@ class GraphIndex:
         self.free_ops = self._free_ops()
         self.groups, self.group_of_op = self._var_groups()
         self.input_ops = tuple(op.name for op in graph.ops if op.type in _INPUT_OPS and op.outputs)
-        decided = self.free_ops | self.alias_ops | set(self.group_of_op) | set(self.input_ops)
+        self.scalar_reads = frozenset(
+            op.name for op in graph.ops if op.type in _READ_OPS and op.name not in self.group_of_op
+            and op.outputs and op.outputs[0] in graph.tensors and graph.tensors[op.outputs[0]].rank == 0)
+        decided = self.free_ops | self.alias_ops | set(self.group_of_op) | set(self.input_ops) | self.scalar_reads
         self.plain_ops = tuple(op.name for op in graph.ops
                                if op.name not in decided and self._byte_tensors(op))
         self._plain_set = frozenset(self.plain_ops)
@@ -151,11 +154,13 @@ class GraphIndex:
         self.tied_outputs: dict[str, tuple[int, ...]] = {}
         for q, k in set(self.ties.values()):
             self.tied_outputs[q] = tuple(sorted(set(self.tied_outputs.get(q, ())) | {k}))
-        self.peak_live = self._peak_live()
+        self.peak_live = self._peak_live(liveness or Liveness(graph))
         self._strategy_cache: dict[tuple[str, int], tuple[OpStrategy, ...]] = {}
         self.members, self.paths = self._members()
         self.use_table, self.tie_edges = self._use_table()
         self.run = fold.find_run(self) if fold_blocks else None
+        self.use_blocks = (-1,) * len(self.use_table)   # per use: the block it lies inside, or -1
+        self.tie_blocks = (-1,) * len(self.tie_edges)
         self.uses_in_block: dict[int, list[Use]] = {}
         self.tie_edges_in_block: dict[int, list[TieEdge]] = {}
         if self.run is not None:
@@ -203,12 +208,16 @@ class GraphIndex:
                     assigns.setdefault(owner[path], []).append(op.name)
         group_of_op: dict[str, str] = {}
         groups: dict[str, VarGroup] = {}
-        for key in sorted(set(owner.values()), key=lambda k: list(graph.variables).index(k)):
+        rank = {path: i for i, path in enumerate(graph.variables)}
+        owned: dict[str, list[str]] = {}
+        for path, key in owner.items():
+            owned.setdefault(key, []).append(path)
+        for key in sorted(owned, key=rank.__getitem__):
             members = reads.get(key, []) + assigns.get(key, [])
             for name in members:
                 group_of_op[name] = key
             folded = self._fold_update_chain(key, assigns.get(key, []), group_of_op)
-            paths = tuple(p for p, o in owner.items() if o == key)
+            paths = tuple(owned[key])
             groups[key] = VarGroup(
                 key=key, paths=paths, shape=graph.variables[key].shape,
                 nbytes=sum(graph.variables[p].num_bytes for p in paths),
@@ -257,10 +266,13 @@ class GraphIndex:
         return self._consumer_cache
 
     def owner(self, op_name: str) -> str | None:
-        """The decision node an op belongs to (None for free and alias ops)."""
+        """The decision node an op belongs to (None for free and alias ops, and reads of
+        scalar variables: a rank-0 value is whole everywhere, and turning a whole value into
+        any layout a consumer can ask of a scalar (whole, or partial) is free)."""
         if op_name in self.group_of_op:
             return "var:" + self.group_of_op[op_name]
-        if op_name in self.free_ops or op_name in self.alias_ops or op_name not in self.ops:
+        if op_name in self.free_ops or op_name in self.alias_ops or op_name in self.scalar_reads \
+                or op_name not in self.ops:
             return None
         return op_name
 
@@ -369,12 +381,13 @@ class GraphIndex:
                     break
         return ties
 
-    def _peak_live(self) -> frozenset[str]:
+    @staticmethod
+    def _peak_live(liveness: Liveness) -> frozenset[str]:
         """Tensors alive at the peak of the unpartitioned step: the Lagrangian's memory proxy."""
-        liveness = Liveness(self.graph)
         if not liveness.names:
             return frozenset()
-        curve = liveness.live_curve(liveness.bytes_array({n: self.graph.tensors[n].num_bytes for n in liveness.names}))
+        curve = liveness.live_curve(liveness.bytes_array({n: liveness.graph.tensors[n].num_bytes
+                                                          for n in liveness.names}))
         alive = liveness.live_at(int(np.argmax(curve)))
         return frozenset(liveness.names[i] for i in np.nonzero(alive)[0])
 
@@ -428,25 +441,41 @@ class GraphIndex:
     def _assign_blocks(self) -> None:
         """Mark the uses and tie edges that lie inside one repeated block.
 
-        A use of a rank-0 value is never inside a block: scalars such as the
-        learning rate come from one op shared by every block."""
+        A use counts as inside only if, in *every* block of the run, the use at the same
+        place (consumer's position in the block, member, input) lies inside its block with
+        the producer (and tie) at the same place: then the first block's edges are every
+        block's edges. Others (a learning rate read by every block's update) are priced
+        one by one."""
+        uses = self._consistent(self.use_table, lambda u: u.consumer_node, lambda u, base: (
+            u.consumer_member, u.j, u.producer_node - base, u.producer_member, u.out_index,
+            None if u.tie is None else (u.tie[0] - base, u.tie[1])),
+            lambda u: (u.consumer_node, u.producer_node) + ((u.tie[0],) if u.tie is not None else ()))
+        ties = self._consistent(self.tie_edges, lambda t: t.producer_node, lambda t, base: (
+            t.producer_member, t.out_index, t.forward_node - base, t.k), lambda t: (t.producer_node, t.forward_node))
+        self.use_blocks, self.tie_blocks = tuple(uses), tuple(ties)
+        for use, block in zip(self.use_table, uses):
+            if block >= 0:
+                self.uses_in_block.setdefault(block, []).append(use)
+        for tie, block in zip(self.tie_edges, ties):
+            if block >= 0:
+                self.tie_edges_in_block.setdefault(block, []).append(tie)
+
+    def _consistent(self, items, anchor, shape, ends) -> list[int]:
+        """Per item, its block if it lies inside one and every block has it alike, else -1."""
         run = self.run
-        tensors = self.graph.tensors
-        table = []
-        for use in self.use_table:
-            ends = (use.consumer_node, use.tie[0] if use.tie is not None else use.producer_node)
-            block = run.common_block(ends) if tensors[use.source].rank else -1
-            table.append(dataclasses.replace(use, block=block) if block >= 0 else use)
+        seen: dict[tuple, dict[int, tuple]] = {}
+        where = []
+        for item in items:
+            block = run.common_block(ends(item))
+            key = None
             if block >= 0:
-                self.uses_in_block.setdefault(block, []).append(table[-1])
-        self.use_table = tuple(table)
-        ties = []
-        for tie in self.tie_edges:
-            block = run.common_block((tie.producer_node, tie.forward_node))
-            ties.append(dataclasses.replace(tie, block=block) if block >= 0 else tie)
-            if block >= 0:
-                self.tie_edges_in_block.setdefault(block, []).append(ties[-1])
-        self.tie_edges = tuple(ties)
+                base = run.start + block * run.period
+                form = shape(item, base)
+                key = (anchor(item) - base, form[:2])
+                seen.setdefault(key, {})[block] = form
+            where.append((block, key))
+        alike = {key for key, per in seen.items() if len(per) == run.count and len(set(per.values())) == 1}
+        return [block if block >= 0 and key in alike else -1 for block, key in where]
 
 
 def same_splits(a: OpStrategy, b: OpStrategy) -> bool:

@@ -7,7 +7,7 @@ so that a per-axis problem builds each distinct block once
 (``tofu_tf.search.elimination``).
 
 **When two nodes are the same.** Node ``i`` and node ``i + L`` are the same if
-everything the problem builder reads about them is equal:
+everything the problem builder reads about the node itself is equal:
 
 * op nodes: the op's view (type, attributes, input/output shapes and dtypes,
   small constant inputs -- what the operator semantics derive strategies from),
@@ -16,16 +16,15 @@ everything the problem builder reads about them is equal:
   memory peak, which outputs are gradient-tied, and whether it is a backward op;
 * variable nodes: the weight's shape and bytes, whether the target pins it, and
   the views and work of every member op (reads, assigns, folded update ops);
-* input nodes: the op's view;
-* and, for each, every use it consumes: the consuming member and input, the
-  producing member and output, and the producer's position *relative* to the
-  node (plus the tie's relative position), except for rank-0 values, which are
-  always priced one by one (scalars like the learning rate come from one op).
+* input nodes: the op's view.
 
 Strategy providers are assumed to depend on an op's view and layer kind only,
-as the operator registry does. Blocks equal in this sense get equal options,
-equal costs and equal internal edges on an axis whenever the earlier axes
-decided them alike; the builder checks that, and the solver checks the arrays.
+as the operator registry does. Equal nodes get equal options whenever the
+earlier axes decided them alike (the builder checks that per block). Edges are
+not part of the signature: ``GraphIndex`` keeps a use (or tie) inside a block
+only if every block has the same use at the same place with its producer at
+the same place; every other use is priced one by one. The solver then compares
+the arrays themselves before folding.
 """
 
 from __future__ import annotations
@@ -104,21 +103,7 @@ def _phase(index: "GraphIndex", first: int, period: int, span: int) -> int:
 
 
 def _signatures(index: "GraphIndex", names: list[str]) -> list[tuple]:
-    graph = index.graph
-    position = {name: i for i, name in enumerate(names)}
-    uses: dict[int, list[tuple]] = {}
-    for use in index.use_table:
-        c = use.consumer_node
-        where = "scalar" if not graph.tensors[use.source].rank else use.producer_node - c
-        tie = None if use.tie is None else (use.tie[0] - c, use.tie[1])
-        uses.setdefault(c, []).append((use.consumer_member, use.j, where, use.producer_member, use.out_index, tie))
-    for tie in index.tie_edges:
-        p = tie.producer_node
-        uses.setdefault(p, []).append(("tie", tie.forward_node - p, tie.k, tie.producer_member, tie.out_index))
-    out = []
-    for name in names:
-        out.append((_static(index, name), tuple(uses.get(position[name], ()))))
-    return out
+    return [_static(index, name) for name in names]
 
 
 def _static(index: "GraphIndex", name: str) -> tuple:

@@ -187,11 +187,11 @@ class ProblemBuilder:
         shared: set[int] = set()
         if run is not None:                      # 2. identical blocks share the template's arrays
             self._share_blocks(run, templates, copy_of, unary, pair_costs, shared)
-        for tie in index.tie_edges:              # 3. everything else
-            if run is None or tie.block < 0:
+        for tie, block in zip(index.tie_edges, index.tie_blocks):     # 3. everything else
+            if run is None or block < 0:
                 self._add_tie(tie, nodes, unary, pair_costs, shared)
-        for use in index.use_table:
-            if run is None or use.block < 0:
+        for use, block in zip(index.use_table, index.use_blocks):
+            if run is None or block < 0:
                 self._add_use(use, nodes, unary, pair_costs, shared)
         edges = tuple(Edge(u, v, c) for (u, v), c in sorted(pair_costs.items()))
         blocks = Blocks(run.start, run.period, tuple(templates)) if run is not None else None
@@ -400,7 +400,10 @@ class ProblemBuilder:
     @staticmethod
     def _add_matrix(cu, pu, cost, unary, pair_costs, shared) -> None:
         """Add ``cost[producer option, consumer option]`` between two nodes (or to a unary).
-        Arrays in ``shared`` belong to several blocks: they are copied before a change."""
+        Arrays in ``shared`` belong to several blocks: they are copied before a change.
+        A table of zeros (a scalar read whole by every option) changes nothing and is dropped."""
+        if not cost.any():
+            return
         if cost.shape[0] == 1 or cost.shape[1] == 1 or cu == pu:
             target = cu if (cu == pu or cost.shape[0] == 1) else pu
             add = np.diagonal(cost) if cu == pu else (cost[0] if cost.shape[0] == 1 else cost[:, 0])
