@@ -1,6 +1,6 @@
-"""Benchmark of the memory-centric pipeline partitioner (tofu_tf.pipeline).
+"""Benchmark of the memory-centric pipeline partitioner and hybrid recommender.
 
-Prints two tables:
+Prints, in order:
 
 1. search time of ``partition(method="optimal")`` (median of 5 runs) on random
    synthetic chains: analytic (monotone) statistics at 1000 layers / 64 stages
@@ -8,15 +8,26 @@ Prints two tables:
    offsets make the stage cost non-monotone at 1000 / 64;
 2. the largest stage peak of "optimal" against Megatron's uniform split,
    DeepSpeed's ``partition_method="parameters"`` and torchgpipe's
-   ``balance_by_time``, under 1F1B, on a GPT-style chain (big embedding first,
-   identical blocks, big LM head + loss last) and a CNN-like chain (large
-   activations early, small state; a huge dense head last).
+   ``balance_by_time``, under 1F1B: on ``layer_stats`` of real Keras models (a
+   GPT and a VGG-style CNN with a large dense head) and on synthetic chains at
+   GPU scale (Megatron's accounting);
+3. profiling (``profile=True``): runs needed against mCAP's scheme, and the
+   error of mCAP's predictor (isolated + added + in-flight activations) against
+   the measured peak of every stage of optimal partitions, each stage run for
+   real (CPU, TF's BFC allocator, subprocesses);
+4. the memory regression (``tofu_tf.pipeline.regression``): coefficients,
+   in-sample and leave-one-out error on its calibration samples, and its error
+   on the stages of 3 (models it was not fitted on);
+5. ``recommend_hybrid`` for the GPT on 8 devices, without and with a budget.
 
-Run from the repository root: ``python bench/pipeline.py``. Imports no TensorFlow.
+``--calibrate`` re-measures the regression's samples and writes them to
+``tofu_tf/pipeline/data/cpu_bfc_samples.json``; ``--quick`` skips 3 and 4.
+Run from the repository root: ``python bench/pipeline.py``.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -24,10 +35,18 @@ from pathlib import Path
 
 import numpy as np
 
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from absl import app, flags  # noqa: E402
+
 from tofu_tf.pipeline import LayerStats, partition  # noqa: E402
+
+flags.DEFINE_bool("calibrate", False, "Re-measure the memory regression's samples first.")
+flags.DEFINE_bool("quick", False, "Skip the profiling runs (sections 3 and 4).")
+FLAGS = flags.FLAGS
+LOSS = "sparse_categorical_crossentropy"
 
 GIB = 1 << 30
 RUNS = 5
@@ -132,30 +151,221 @@ def search_time_table() -> list[str]:
 
 
 def memory_table() -> list[str]:
-    cases = [("GPT-style, 48 blocks", gpt_chain(), 8, 16),
-             ("CNN-like, 48 convs + dense head", cnn_chain(), 8, 16)]
+    cases = [("GPT-16 d512 (Keras, layer_stats)", keras_gpt_stats(), 8, 16),
+             ("VGG-style CNN + 2x4096 head (Keras)", keras_cnn_stats(), 8, 16),
+             ("GPT-style, 48 blocks (synthetic)", gpt_chain(), 8, 16),
+             ("CNN-like, 48 convs + head (synthetic)", cnn_chain(), 8, 16)]
     methods = ("optimal", "uniform", "parameters", "time")
-    rows = [f"{'chain (1F1B)':<32} {'p':>3} {'m':>3} "
-            + " ".join(f"{m + ' GiB':>15}" for m in methods) + "  worst/optimal"]
+    rows = [f"{'chain (1F1B)':<38} {'units':>5} {'p':>3} {'m':>3} "
+            + " ".join(f"{m + ' GiB':>15}" for m in methods)
+            + "  vs parameters  vs uniform"]
     for label, stats, stages, micro in cases:
         peaks = {m: partition(stats, stages, schedule="1f1b", num_microbatches=micro, method=m)
                  .max_peak_bytes for m in methods}
-        ratios = [peaks[m] / peaks["optimal"] for m in methods[1:]]
-        rows.append(f"{label:<32} {stages:>3} {micro:>3} "
-                    + " ".join(f"{peaks[m] / GIB:>15.2f}" for m in methods)
-                    + "  " + " / ".join(f"{r:.2f}x" for r in ratios))
+        lower = {m: 1 - peaks["optimal"] / peaks[m] for m in ("parameters", "uniform")}
+        rows.append(f"{label:<38} {len(stats):>5} {stages:>3} {micro:>3} "
+                    + " ".join(f"{peaks[m] / GIB:>15.3f}" for m in methods)
+                    + f"  {100 * lower['parameters']:>12.1f}%  {100 * lower['uniform']:>8.1f}%")
     return rows
 
 
-def main() -> None:
+# --------------------------------------------------------------------------- real Keras models
+
+
+def keras_gpt_stats() -> list[LayerStats]:
+    """``layer_stats`` of a GPT-16 (d512, 8 heads, seq 256, vocab 32000), micro-batch 4, Adam."""
+    from tofu_tf import models
+    from tofu_tf.pipeline import layer_stats
+    model = models.gpt(num_layers=16, d_model=512, num_heads=8, seq_len=256, vocab_size=32000)
+    return layer_stats(model, batch_size=64, loss=LOSS, optimizer="adam", num_microbatches=16)
+
+
+def vgg_head(*, image_size=64, widths=(64, 128, 256, 512), head=4096, num_classes=1000):
+    """A VGG-style CNN: per width two 3x3 convs and a 2x2 max-pool, then two
+    Dense(4096) layers and a classifier -- activations early, parameters late."""
+    import tf_keras as keras
+    layers = [keras.Input((image_size, image_size, 3))]
+    for group, width in enumerate(widths):
+        layers += [keras.layers.Conv2D(width, 3, padding="same", activation="relu",
+                                       name=f"conv{group}_{i}") for i in range(2)]
+        layers.append(keras.layers.MaxPooling2D(2, name=f"pool{group}"))
+    layers += [keras.layers.Flatten(name="flatten"),
+               keras.layers.Dense(head, activation="relu", name="fc1"),
+               keras.layers.Dense(head, activation="relu", name="fc2"),
+               keras.layers.Dense(num_classes, name="classifier")]
+    return keras.Sequential(layers, name="vgg_head")
+
+
+def keras_cnn_stats() -> list[LayerStats]:
+    """``layer_stats`` of ``vgg_head()`` at micro-batch 32, Adam."""
+    from tofu_tf.pipeline import layer_stats
+    return layer_stats(vgg_head(), batch_size=512, loss=LOSS, optimizer="adam",
+                       num_microbatches=16)
+
+
+# --------------------------------------------------------------------------- profiling
+
+
+def profiled_models():
+    """(label, picklable builder, micro-batch) of the models profiled in section 3."""
+    import functools
+    from tofu_tf import models
+    return [
+        ("GPT-12 d64 seq32", functools.partial(models.gpt, num_layers=12, d_model=64, num_heads=4,
+                                               seq_len=32, vocab_size=512), 4),
+        ("WRN-16-2 16px", functools.partial(models.wide_resnet, depth=16, width=2,
+                                            image_size=16), 4),
+        ("MLP 8x256", functools.partial(models.mlp, input_dim=128, width=256, depth=8), 16),
+    ]
+
+
+def profiling_tables() -> tuple[list[str], list, list]:
+    """Runs vs mCAP and predictor error per stage; also the measured stages as
+    regression samples (for section 4)."""
+    from tofu_tf.pipeline import keras_stats, profile
+    from tofu_tf.pipeline.regression import StageSample
+
+    runs_rows = [f"{'model':<18} {'units':>5} {'devices':>7} {'stages run':>10} {'runs':>4} "
+                 f"{'mCAP runs':>9} {'ratio':>6} {'profile s':>9}"]
+    error_rows = [f"{'model':<18} {'p':>2} {'sched':>5} {'m':>2} {'stage':>5} {'units':>7} "
+                  f"{'k':>2} {'measured MiB':>12} {'mCAP pred MiB':>13} {'error':>7} "
+                  f"{'analytic err':>12}"]
+    errors, samples = [], []
+    for label, builder, micro in profiled_models():
+        model = builder()
+        analysis = keras_stats.analyze_model(model, micro_batch=micro, loss=LOSS, optimizer="adam")
+        started = time.perf_counter()
+        result = keras_stats.profile_model(model, analysis, micro_batch=micro, loss=LOSS,
+                                           optimizer="adam", model_fn=builder, num_devices=8)
+        seconds = time.perf_counter() - started
+        ratio = "-" if result.run_ratio is None else f"{result.run_ratio:.2f}x"
+        runs_rows.append(f"{label:<18} {len(analysis.units):>5} {8:>7} {len(result.probes):>10} "
+                         f"{result.runs:>4} {result.mcap_runs or '-':>9} {ratio:>6} "
+                         f"{seconds:>9.1f}")
+        plans = []
+        for stages, schedule, micro_count in ((2, "1f1b", 8), (4, "1f1b", 8), (8, "1f1b", 8),
+                                              (4, "gpipe", 2)):
+            if stages <= len(analysis.units):
+                plans.append((stages, schedule, micro_count,
+                              partition(result.stats, stages, schedule=schedule,
+                                        num_microbatches=micro_count)))
+        probes = [profile.StageProbe(a, b, (_inflight(r, p, s, m),))
+                  for p, s, m, plan in plans for r, (a, b) in enumerate(plan.stage_ranges)]
+        measured = profile.measure_stage_peaks(analysis, builder, probes, micro_batch=micro,
+                                               loss=LOSS, optimizer="adam")
+        flat = iter(measured)
+        for p, s, m, plan in plans:
+            for r, (a, b) in enumerate(plan.stage_ranges):
+                real = next(flat)[0]
+                k = _inflight(r, p, s, m)
+                predicted = plan.stage_peak_bytes[r]
+                stats = analysis.stats[a:b]
+                analytic = (sum(x.state_bytes for x in stats) + k * sum(x.activation_bytes
+                                                                         for x in stats)
+                            + max(x.transient_bytes for x in stats))
+                error = (predicted - real) / real
+                errors.append(abs(error))
+                samples.append(StageSample.of(label, stats, k, real))
+                error_rows.append(
+                    f"{label:<18} {p:>2} {s:>5} {m:>2} {r:>5} {f'{a}-{b - 1}':>7} {k:>2} "
+                    f"{real / 2**20:>12.3f} {predicted / 2**20:>13.3f} {100 * error:>+6.1f}% "
+                    f"{100 * (analytic - real) / real:>+11.1f}%")
+    error_rows.append(f"mCAP-style predictor: MAPE {100 * statistics.mean(errors):.2f}% over "
+                      f"{len(errors)} stages, worst {100 * max(errors):.1f}% (target < 5%)")
+    return runs_rows + [""] + error_rows, errors, samples
+
+
+def _inflight(stage: int, stages: int, schedule: str, micro: int) -> int:
+    from tofu_tf.pipeline import inflight_microbatches
+    return inflight_microbatches(stage, stages, schedule, micro)
+
+
+def calibration_models():
+    """The models whose measured stages the shipped regression is fitted on."""
+    import functools
+    from tofu_tf import models
+    return [
+        ("gpt-2 d64", functools.partial(models.gpt, num_layers=2, d_model=64, num_heads=4,
+                                        seq_len=32, vocab_size=256), 4),
+        ("gpt-3 d128", functools.partial(models.gpt, num_layers=3, d_model=128, num_heads=4,
+                                         seq_len=16, vocab_size=1024), 4),
+        ("mlp 4x256", functools.partial(models.mlp, input_dim=64, width=256, depth=4), 16),
+        ("mlp 2x512", functools.partial(models.mlp, input_dim=256, width=512, depth=2), 8),
+    ]
+
+
+def calibrate() -> None:
+    """Measure the regression's samples and write them next to tofu_tf.pipeline.regression."""
+    from tofu_tf.pipeline import keras_stats, profile, regression
+    samples = []
+    for label, builder, micro in calibration_models():
+        model = builder()
+        analysis = keras_stats.analyze_model(model, micro_batch=micro, loss=LOSS, optimizer="adam")
+        probes = keras_stats.calibration_probes(len(analysis.units), 12)
+        peaks = profile.measure_stage_peaks(analysis, builder, probes, micro_batch=micro,
+                                            loss=LOSS, optimizer="adam")
+        for probe, measured in zip(probes, peaks):
+            for k, peak in zip(probe.inflights, measured):
+                samples.append(regression.StageSample.of(
+                    label, analysis.stats[probe.start:probe.stop], k, peak))
+        print(f"calibrated on {label}: {len(probes)} stages")
+    regression.save_samples(samples, regression.DEFAULT_SAMPLES,
+                            source="python bench/pipeline.py --calibrate (CPU, TF 2.21, "
+                                   "TF_CPU_ALLOCATOR_USE_BFC=true, eager pipeline steps, Adam)")
+
+
+def regression_rows(validation) -> list[str]:
+    from tofu_tf.pipeline import default_regression
+    model = default_regression()
+    rows = [f"shipped regression: {model.describe()}"]
+    if validation:
+        predicted = [model.predict(s)
+                     for s in validation]
+        for label in sorted({s.model for s in validation}):
+            pairs = [(p, s.measured_bytes) for p, s in zip(predicted, validation) if s.model == label]
+            mape = statistics.mean(abs(p - m) / m for p, m in pairs)
+            rows.append(f"  on the {len(pairs)} stages of {label} (not fitted on): "
+                        f"MAPE {100 * mape:.1f}%")
+    return rows
+
+
+def hybrid_rows() -> list[str]:
+    from tofu_tf import models
+    from tofu_tf.pipeline import recommend_hybrid
+    model = models.gpt(num_layers=16, d_model=512, num_heads=8, seq_len=256, vocab_size=32000)
+    best = recommend_hybrid(model, num_devices=8, batch_size=64, loss=LOSS, optimizer="adam")
+    rows = [best.table(top=8), ""]
+    budget = int(best.candidates[len(best.candidates) // 2].predicted_peak_bytes)
+    fast = recommend_hybrid(model, num_devices=8, batch_size=64, loss=LOSS, optimizer="adam",
+                            memory_budget_bytes=budget)
+    rows.append(fast.table(top=5))
+    return rows
+
+
+def main(argv) -> None:
+    del argv
     started = time.perf_counter()
-    print("Search time, method='optimal' (exact lexicographic min-max):")
+    if FLAGS.calibrate:
+        calibrate()
+    print("1. Search time, method='optimal' (exact lexicographic min-max):")
     print("\n".join(search_time_table()))
     print()
-    print("Largest stage peak by method (ratios: uniform / parameters / time over optimal):")
+    print("2. Largest stage peak by method, and how much lower optimal is:")
     print("\n".join(memory_table()))
+    validation = []
+    if not FLAGS.quick:
+        print()
+        print("3. Profiling (8 devices per run) and mCAP's predictor against measured stage peaks:")
+        rows, _, validation = profiling_tables()
+        print("\n".join(rows))
+        print()
+        print("4. Memory regression:")
+        print("\n".join(regression_rows(validation)))
+    print()
+    print("5. recommend_hybrid, GPT-16 d512, 8 devices, global batch 64:")
+    print("\n".join(hybrid_rows()))
     print(f"\nbench wall time {time.perf_counter() - started:.1f} s")
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -1,0 +1,193 @@
+r"""A statistical model of a stage's measured peak, fitted on profiled stages (CAPTURE).
+
+This module owns the regression that turns the analytic figures of a
+pipeline stage into a predicted peak, the data it is fitted on, and its error.
+It imports no TensorFlow: samples come from profiling runs
+(``tofu_tf.pipeline.profile``) and are stored as JSON.
+
+The model. For a stage holding layers :math:`[i, j)` with :math:`k` micro-batches
+in flight, with the analytic figures of ``LayerStats``:
+
+.. math::
+
+    S = \sum_l \mathrm{state}_l, \quad
+    A = k \sum_l \mathrm{activation}_l, \quad
+    W = \max_l (\mathrm{state}_l + \mathrm{transient}_l)
+
+    \widehat{\mathrm{peak}} = \beta_0 + \beta_S S + \beta_A A + \beta_W W
+
+``W``, the largest working set of one layer, stands for what the analytic
+figures leave out and that scales with the biggest layer rather than with the
+stage: the gradient accumulator, per-micro-batch gradients and the
+optimizer's temporaries while one layer's weights are updated, on top of its
+forward/backward temporaries. (A plain ``max transient`` term was tried first:
+its fitted weight was 0 and the fit's error 16%.)
+
+fitted by non-negative least squares on relative residuals (each sample's row
+divided by its measured peak, so small and large stages weigh alike and the
+fit minimises something close to the percentage error). Non-negative because
+each term is memory that can only add. The error reported is the
+leave-one-out mean absolute percentage error: each sample predicted by the
+model fitted on all the others.
+
+Because the prediction is affine in the figures with non-negative weights,
+scaling the figures (``scaled``) lets the exact partitioner minimise the
+predicted peak directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+from scipy.optimize import nnls
+
+from tofu_tf.pipeline.stats import LayerStats
+
+SAMPLES_VERSION = 1
+DEFAULT_SAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                               "cpu_bfc_samples.json")
+FEATURES = ("intercept", "state", "inflight_activation", "largest_working_set")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSample:
+    """One measured stage: the analytic figures of its layers, the micro-batches
+    in flight, and its measured peak (bytes)."""
+
+    model: str
+    inflight: int
+    state_bytes: tuple[int, ...]       # per layer of the stage
+    activation_bytes: tuple[int, ...]
+    transient_bytes: tuple[int, ...]
+    measured_bytes: int
+
+    def __post_init__(self):
+        for field in ("state_bytes", "activation_bytes", "transient_bytes"):
+            object.__setattr__(self, field, tuple(int(v) for v in getattr(self, field)))
+        if not self.state_bytes or len({len(self.state_bytes), len(self.activation_bytes),
+                                        len(self.transient_bytes)}) != 1:
+            raise ValueError(f"sample of {self.model!r}: per-layer figures must be non-empty "
+                             "and of equal length")
+
+    @classmethod
+    def of(cls, model: str, stats: Sequence[LayerStats], inflight: int,
+           measured_bytes: int) -> "StageSample":
+        """The sample of a stage holding ``stats`` with ``inflight`` micro-batches alive."""
+        return cls(model=model, inflight=int(inflight),
+                   state_bytes=tuple(s.state_bytes for s in stats),
+                   activation_bytes=tuple(s.activation_bytes for s in stats),
+                   transient_bytes=tuple(s.transient_bytes for s in stats),
+                   measured_bytes=int(measured_bytes))
+
+    def features(self) -> np.ndarray:
+        """``(1, S, A, W)``: see the module docstring."""
+        working = max(s + t for s, t in zip(self.state_bytes, self.transient_bytes))
+        return np.array([1.0, sum(self.state_bytes), self.inflight * sum(self.activation_bytes),
+                         working], dtype=np.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRegression:
+    """``peak = b0 + bS * S + bA * A + bW * W`` (bytes; see the module docstring)."""
+
+    coefficients: tuple[float, float, float, float]
+    num_samples: int
+    fit_mape: float          # in-sample mean absolute percentage error
+    loo_mape: float          # leave-one-out mean absolute percentage error
+    models: tuple[str, ...]  # the models the samples came from
+
+    @classmethod
+    def fit(cls, samples: Sequence[StageSample]) -> "MemoryRegression":
+        """Non-negative least squares on relative residuals (see the module docstring)."""
+        samples = list(samples)
+        if len(samples) < len(FEATURES) + 1:
+            raise ValueError(f"fitting the memory regression needs at least {len(FEATURES) + 1} "
+                             f"measured stages, got {len(samples)}; profile more stages")
+        x = np.stack([s.features() for s in samples])
+        y = np.array([s.measured_bytes for s in samples], dtype=np.float64)
+        if (y <= 0).any():
+            raise ValueError("a measured stage peak is <= 0 bytes: the samples are corrupt")
+        coefficients = _solve(x, y)
+        fit_error = _mape(x @ coefficients, y)
+        loo = [float(x[i] @ _solve(np.delete(x, i, 0), np.delete(y, i))) for i in range(len(y))]
+        return cls(coefficients=tuple(float(c) for c in coefficients), num_samples=len(samples),
+                   fit_mape=fit_error, loo_mape=_mape(np.array(loo), y),
+                   models=tuple(sorted({s.model for s in samples})))
+
+    def predict(self, sample: StageSample) -> float:
+        """The predicted peak of ``sample``'s stage (its ``measured_bytes`` is not read)."""
+        return float(np.asarray(self.coefficients) @ sample.features())
+
+    def predict_stage(self, stats: Sequence[LayerStats], inflight: int) -> float:
+        return self.predict(StageSample.of("", stats, inflight, 0))
+
+    def scaled(self, stats: Sequence[LayerStats]) -> list[LayerStats]:
+        """Layers whose analytic stage peak is this regression's prediction minus ``b0``.
+
+        The stage model sums state, multiplies activations by the in-flight
+        count and takes the largest transient, exactly the regression's
+        features; scaling each figure by its coefficient makes the exact
+        partitioner minimise the predicted peak. Measured figures are dropped.
+        """
+        _, b_state, b_act, b_working = self.coefficients
+        return [dataclasses.replace(
+            s, state_bytes=round(b_state * s.state_bytes),
+            activation_bytes=round(b_act * s.activation_bytes),
+            transient_bytes=round(b_working * (s.state_bytes + s.transient_bytes)),
+            isolated_bytes=None, added_bytes=None) for s in stats]
+
+    def describe(self) -> str:
+        b0, b_state, b_act, b_working = self.coefficients
+        return (f"peak = {b0 / 2**20:.3f} MiB + {b_state:.3f} S + {b_act:.3f} A + "
+                f"{b_working:.3f} W "
+                f"({self.num_samples} measured stages of {', '.join(self.models)}; "
+                f"fit MAPE {100 * self.fit_mape:.1f}%, leave-one-out MAPE "
+                f"{100 * self.loo_mape:.1f}%)")
+
+
+def _solve(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """NNLS of ``x @ b ~= y`` in relative terms, columns normalised for conditioning."""
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    rows = (x / scale) / y[:, None]
+    solution, _ = nnls(rows, np.ones_like(y))
+    return solution / scale
+
+
+def _mape(predicted: np.ndarray, measured: np.ndarray) -> float:
+    return float(np.mean(np.abs(predicted - measured) / measured))
+
+
+def save_samples(samples: Sequence[StageSample], path: str, *, source: str) -> None:
+    """Write ``samples`` as versioned JSON (``source`` says how they were measured)."""
+    data = {"version": SAMPLES_VERSION, "source": source,
+            "samples": [dataclasses.asdict(s) for s in samples]}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as handle:
+        json.dump(data, handle, indent=1)
+        handle.write("\n")
+
+
+def load_samples(path: str = DEFAULT_SAMPLES) -> list[StageSample]:
+    """Samples written by ``save_samples``; refuses other versions."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"no measured stage samples at {path}; run `python bench/pipeline.py --calibrate` "
+            "to profile them, or pass a MemoryRegression fitted on your own")
+    with open(path) as handle:
+        data = json.load(handle)
+    if data.get("version") != SAMPLES_VERSION:
+        raise ValueError(f"{path} holds samples of version {data.get('version')!r}; this tofu_tf "
+                         f"reads version {SAMPLES_VERSION}: measure them again with "
+                         "`python bench/pipeline.py --calibrate`")
+    return [StageSample(**row) for row in data["samples"]]
+
+
+def default_regression() -> MemoryRegression:
+    """The regression fitted on the samples shipped with tofu_tf (measured on CPU,
+    TensorFlow's BFC allocator, by ``bench/pipeline.py --calibrate``)."""
+    return MemoryRegression.fit(load_samples(DEFAULT_SAMPLES))
