@@ -154,7 +154,7 @@ class HybridRecommendation:
                  f"{self.batch_size}, {self.schedule.value}; ranked by {goal}",
                  f"memory model: {self.regression.describe()}",
                  f"{'rank':>4}  {'pp x tp x dp':>12}  {'m':>3}  {'micro':>5}  "
-                 f"{'peak MiB':>10}  {'analytic MiB':>12}  {'step ms':>9}  {'fits':>4}  stages"]
+                 f"{'peak MiB':>10}  {'analytic MiB':>12}  {'step ms':>9}  {'fits':>4}  stages (units)"]
         for rank, c in enumerate(self.candidates[:top], 1):
             fits = "-" if c.fits_budget is None else ("yes" if c.fits_budget else "no")
             lines.append(f"{rank:>4}  {c.shape:>12}  {c.num_microbatches:>3}  "
@@ -166,9 +166,10 @@ class HybridRecommendation:
         return "\n".join(lines)
 
     def _stages(self, candidate: HybridCandidate) -> str:
+        """Unit index ranges of the stages, e.g. ``0-4 5-9 10-16 17-19``."""
         stops = candidate.boundaries[1:] + (len(self.unit_names),)
-        return " | ".join(f"{self.unit_names[a]}..{self.unit_names[b - 1]}" if b - a > 1
-                          else self.unit_names[a] for a, b in zip(candidate.boundaries, stops))
+        return " ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}"
+                        for a, b in zip(candidate.boundaries, stops))
 
 
 def factorizations(num_devices: int) -> list[tuple[int, int, int]]:
