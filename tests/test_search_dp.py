@@ -76,3 +76,16 @@ def test_state_cap_flags_inexact_results():
     problem = ProblemBuilder(GraphIndex(b.build(), stub_strategies), (), 2, H100_NVLINK.intra_node).build()
     assert not tofu_dp.solve_by_cuts(problem, max_states=2).exact
     assert tofu_dp.solve_by_cuts(problem, max_states=10_000).exact
+
+
+def test_ilp_reports_incumbents_and_stops_at_a_target(monkeypatch):
+    import sys
+    problem = ProblemBuilder(GraphIndex(mlp_graph(), stub_strategies), (), 4, H100_NVLINK.intra_node).build()
+    dp = tofu_dp.solve_axis(problem)
+    solved = ilp.solve_axis(problem, stop_at=dp.objective * (1 + 1e-9))
+    assert solved.incumbents and solved.incumbents[-1][1] <= dp.objective * (1 + 1e-6)
+    assert all(t >= 0 for t, _ in solved.incumbents)
+    monkeypatch.setitem(sys.modules, "highspy", None)        # scipy's HiGHS: same answer, no timeline
+    plain = ilp.solve_axis(problem)
+    assert plain.exact and plain.incumbents == ()
+    assert abs(plain.objective - dp.objective) <= 1e-9 * max(dp.objective, 1e-12)

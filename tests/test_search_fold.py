@@ -116,3 +116,52 @@ def test_folding_equals_brute_force(problem):
     best = min(problem.objective(c, 0.0) for c in itertools.product(*ranges))
     assert solution.objective == pytest.approx(best, abs=1e-9)
     assert problem.objective(solution.choice, 0.0) == pytest.approx(best, abs=1e-9)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    """A captured 3-block GPT train step (Adam): gradient ties, scalar reads, repeated blocks."""
+    from tofu_tf import models
+    from tofu_tf.tf.capture import capture_training_step
+    model = models.gpt(num_layers=3, d_model=16, num_heads=2, seq_len=8, vocab_size=32)
+    return capture_training_step(model, batch_size=8, loss="sparse_categorical_crossentropy", optimizer="adam")
+
+
+def test_captured_gpt_blocks_fold_and_solve_to_the_unfolded_optimum(tiny_gpt):
+    from tofu_tf.cost.evaluate import op_work_seconds
+    from tofu_tf.semantics import strategies
+    work = op_work_seconds(tiny_gpt, H100_NVLINK)
+    folded = GraphIndex(tiny_gpt, strategies, work=work)
+    plain = GraphIndex(tiny_gpt, strategies, work=work, fold_blocks=False)
+    assert folded.run is not None and folded.run.count == 3
+    for n in (2, 4):
+        pf = ProblemBuilder(folded, (), n, LINK).build()
+        pp = ProblemBuilder(plain, (), n, LINK).build()
+        sf, sp = tofu_dp.solve_axis(pf), tofu_dp.solve_axis(pp)
+        assert sf.exact and sp.exact
+        assert sf.objective == pytest.approx(sp.objective, rel=1e-12)
+        assert pp.objective(sf.choice, 0.0) == pytest.approx(sf.objective, rel=1e-12)
+
+
+@pytest.mark.parametrize("sizes", [(8,), (2, 4)])
+def test_captured_gpt_plan_cost_equals_the_search_on_one_axis_and_never_less_on_more(tiny_gpt, sizes):
+    """On one axis the search's objective is the priced plan (communication and compute);
+    on more axes it can only overestimate the communication, never the compute."""
+    from tofu_tf.search import api
+    seen = []
+    real = api._decision
+
+    def spy(problem, solution, size):
+        seen.append((problem.comm(solution.choice), problem.compute(solution.choice)))
+        return real(problem, solution, size)
+    api._decision = spy
+    try:
+        plan = api.plan_graph(tiny_gpt, num_devices=8, mesh_shape=sizes, target="ideal")
+    finally:
+        api._decision = real
+    comm, compute = sum(c for c, _ in seen), seen[-1][1]
+    assert plan.compute_seconds == pytest.approx(compute, rel=1e-12)
+    if len(sizes) == 1:
+        assert plan.comm_seconds == pytest.approx(comm, rel=1e-12)
+    else:
+        assert plan.comm_seconds <= comm * (1 + 1e-12)

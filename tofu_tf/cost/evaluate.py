@@ -25,12 +25,12 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from tofu_tf import ir
-from tofu_tf.cost.collectives import Transfer, transfer
-from tofu_tf.cost.compute import op_work, split_factor
+from tofu_tf.cost.collectives import Collective, collective_cost
+from tofu_tf.cost.compute import is_split, op_work
 from tofu_tf.cost.hardware import HardwareProfile
 from tofu_tf.cost.memory import Liveness, MemoryReport, alias_map
 from tofu_tf.mesh import MeshSpec
-from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, TensorSplit
+from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, Reduction, TensorSplit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,88 +68,190 @@ def step_cost(graph: ir.Graph, mesh: MeshSpec, hardware: HardwareProfile,
 
 
 class StepPricer:
-    """What pricing a plan needs of a graph that no plan changes (aliases, who produces
-    each tensor, every (op, input) that moves bytes, liveness), computed once.
+    """Prices many plans of one graph: what no plan changes (every op input that moves
+    bytes, who produces each tensor, liveness) is laid out once as arrays.
 
-    ``price`` walks every op input in schedule order and every mesh axis; a conversion
-    is looked up by (producer splits, consumer splits, bytes), so the repeated layers of
-    a model cost one pricing each, not one per layer."""
+    A plan's strategies become small integer codes per (op, axis) -- a split dim ``d``
+    is ``d``, whole is -1, partial is -2 and below -- so every conversion of every op
+    input on every axis is found and priced with array arithmetic. The arithmetic is
+    the module docstring's, term by term and in the same order (ops in schedule order,
+    inputs, axes), so the result is the one a loop over the ops gives."""
 
     def __init__(self, graph: ir.Graph, liveness: Liveness | None = None):
         self.graph = graph
         self.liveness = liveness or Liveness(graph)
         self.aliases = alias_map(graph)
-        self._made_by = _made_by(graph)
+        made_by = _made_by(graph)
+        self._op_index = {op.name: i for i, op in enumerate(graph.ops)}
+        self._absent = len(graph.ops)                 # a row of "no strategy": every tensor whole
+        self._max_in = max((len(op.inputs) for op in graph.ops), default=0) + 1
+        self._max_out = max((len(op.outputs) for op in graph.ops), default=0) + 1
         layer_of = {op.name: op.layer for op in graph.ops}
-        self._uses: list[tuple[str, tuple[tuple[int, str, float, str], ...]]] = []
-        for op in graph.ops:
-            uses = []
+        layers: dict[str, int] = {}
+        consumer, slot, producer, out, nbytes, layer = [], [], [], [], [], []
+        for i, op in enumerate(graph.ops):
             for j, name in enumerate(op.inputs):
                 source = self.aliases.get(name, name)
                 tensor = graph.tensors.get(source)
                 if tensor is None or tensor.role is ir.Role.RESOURCE or ir.dtype_size(tensor.dtype) == 0:
                     continue
-                layer = op.layer or layer_of.get(tensor.producer) or "(outside layers)"
-                uses.append((j, source, float(tensor.num_bytes), layer))
-            if uses:
-                self._uses.append((op.name, tuple(uses)))
+                label = op.layer or layer_of.get(tensor.producer) or "(outside layers)"
+                made, index = made_by.get(source, (None, 0))
+                consumer.append(i), slot.append(j), out.append(index), nbytes.append(float(tensor.num_bytes))
+                producer.append(self._op_index.get(made, self._absent))
+                layer.append(layers.setdefault(label, len(layers)))
+        self._layers = tuple(layers)
+        self._use_consumer, self._use_slot = np.asarray(consumer, dtype=np.int64), np.asarray(slot, dtype=np.int64)
+        self._use_producer, self._use_out = np.asarray(producer, dtype=np.int64), np.asarray(out, dtype=np.int64)
+        self._use_bytes, self._use_layer = np.asarray(nbytes, dtype=np.float64), np.asarray(layer, dtype=np.int64)
+        live_producer, live_out = [], []
+        for name in self.liveness.names:
+            made, index = made_by.get(self.aliases.get(name, name), (None, 0))
+            live_producer.append(self._op_index.get(made, self._absent))
+            live_out.append(index)
+        self._live_producer = np.asarray(live_producer, dtype=np.int64)
+        self._live_out = np.asarray(live_out, dtype=np.int64)
         self._live_bytes = np.asarray([graph.tensors[n].num_bytes for n in self.liveness.names], dtype=np.float64)
-        priced = dict.fromkeys([source for _, uses in self._uses for _, source, _, _ in uses]
-                               + list(self.liveness.names))
-        self._priced = tuple((name, *self._made_by.get(self.aliases.get(name, name), (None, 0))) for name in priced)
+        self._made_by = made_by
 
     def producer_splits(self, op_strategies, num_axes: int, names) -> dict[str, tuple[TensorSplit, ...]]:
         """Per tensor in ``names``, the split it is produced in on each axis."""
-        return _producer_splits(self.aliases, self._made_by, op_strategies, num_axes, names)
+        made = [(name, *self._made_by.get(self.aliases.get(name, name), (None, 0))) for name in names]
+        return _splits_of(made, op_strategies, num_axes)
 
     def price(self, mesh: MeshSpec, hardware: HardwareProfile, op_strategies: Mapping[str, Sequence[OpStrategy]],
               var_splits: Mapping[str, Sequence[TensorSplit]], *,
               work_seconds: Mapping[str, float] | None = None) -> StepCost:
         """The ``StepCost`` of one plan (see the module docstring)."""
-        sizes = mesh.sizes
+        sizes = np.asarray(mesh.sizes, dtype=np.int64)
         links = [hardware.axis_link(mesh, k) for k in range(len(sizes))]
-        produced = _splits_of(self._priced, op_strategies, len(sizes))
-        by_kind: dict[str, list[float]] = {}
-        by_layer: dict[str, list[float]] = {}
-        moves: dict[tuple, tuple[Transfer, ...]] = {}
-        for op_name, uses in self._uses:
-            strategies = op_strategies.get(op_name)
-            if strategies is None:
-                continue
-            for j, source, nbytes, layer in uses:
-                src = produced[source]
-                dst = tuple(s.inputs[j] for s in strategies)
-                key = (src, dst, nbytes)
-                moved = moves.get(key)
-                if moved is None:
-                    moved = moves[key] = _conversions(src, dst, nbytes, sizes, links)
-                for transfer_ in moved:
-                    _add(by_kind, transfer_.kind.value, transfer_.bytes, transfer_.seconds)
-                    _add(by_layer, layer, transfer_.bytes, transfer_.seconds)
-        memory = self._memory(sizes, produced, var_splits)
+        codes = _Codes(self, op_strategies, len(sizes))
+        by_kind, by_layer = self._comm(codes, sizes, links)
+        memory = self._memory(codes, sizes, var_splits)
         total_bytes = sum(v[0] for v in by_kind.values())
         total_seconds = sum(v[1] for v in by_kind.values())
         if work_seconds is None:
             work_seconds = op_work_seconds(self.graph, hardware)
-        compute = _compute_seconds(work_seconds, op_strategies, sizes)
-        return StepCost(total_bytes, total_seconds, {k: tuple(v) for k, v in by_kind.items()},
-                        {k: tuple(v) for k, v in by_layer.items()}, memory, compute)
+        compute = codes.compute_seconds(work_seconds, sizes)
+        return StepCost(total_bytes, total_seconds, by_kind, by_layer, memory, compute)
 
-    def _memory(self, sizes, produced, var_splits) -> MemoryReport:
-        names = self.liveness.names
-        factors: dict[tuple, int] = {}
-        divisor = np.empty(len(names))
-        for i, name in enumerate(names):
-            splits = produced[name]
-            factor = factors.get(splits)
-            if factor is None:
-                factor = factors[splits] = _split_factor(splits, sizes)
-            divisor[i] = factor
+    def _comm(self, codes: "_Codes", sizes: np.ndarray, links) -> tuple[dict, dict]:
+        decided = codes.has[self._use_consumer]
+        consumer, slot = self._use_consumer[decided], self._use_slot[decided]
+        producer, out = self._use_producer[decided], self._use_out[decided]
+        nbytes, layer = self._use_bytes[decided], self._use_layer[decided]
+        dst = codes.inputs[codes.rows[consumer], slot[:, None]]          # [use, axis]
+        src = codes.outputs[codes.rows[producer], out[:, None]]
+        num_axes = len(sizes)
+        dst_split = np.where(dst >= 0, sizes, 1)
+        src_split = np.where(src >= 0, sizes, 1)
+        kinds, moved_bytes, seconds = [], [], []
+        for k in range(num_axes):
+            before = np.prod(dst_split[:, :k], axis=1) if k else np.ones(len(dst), dtype=np.int64)
+            after = np.prod(src_split[:, k + 1:], axis=1) if k + 1 < num_axes else np.ones(len(dst), dtype=np.int64)
+            size = nbytes / before / after
+            kind = _collective_codes(src[:, k], dst[:, k])
+            if sizes[k] <= 1:
+                kind[:] = -1
+            kind[size <= 0] = -1
+            factor, fixed = _collective_tables(int(sizes[k]), links[k])
+            moved = factor[kind] * size
+            kinds.append(kind), moved_bytes.append(moved)
+            seconds.append(fixed[kind] + moved / links[k].bandwidth)
+        kind = np.stack(kinds, axis=1).ravel() if kinds else np.zeros(0, dtype=np.int64)
+        moved_bytes = np.stack(moved_bytes, axis=1).ravel() if kinds else np.zeros(0)
+        seconds = np.stack(seconds, axis=1).ravel() if kinds else np.zeros(0)
+        layer = np.repeat(layer, num_axes)
+        real = kind >= 0
+        return (_totals(kind[real], moved_bytes[real], seconds[real], [c.value for c in _COLLECTIVES]),
+                _totals(layer[real], moved_bytes[real], seconds[real], self._layers))
+
+    def _memory(self, codes: "_Codes", sizes: np.ndarray, var_splits) -> MemoryReport:
+        made = codes.outputs[codes.rows[self._live_producer], self._live_out[:, None]]
+        divisor = np.prod(np.where(made >= 0, sizes, 1), axis=1) if len(made) else np.ones(0, dtype=np.int64)
         variable_bytes = {}
         for path, var in self.graph.variables.items():
             splits = var_splits.get(path, (REPLICATED,) * len(sizes))
-            variable_bytes[path] = var.num_bytes / _split_factor(splits, sizes)
+            variable_bytes[path] = var.num_bytes / _split_factor(splits, [int(s) for s in sizes])
         return self.liveness.report_array(self._live_bytes / divisor, variable_bytes)
+
+
+_COLLECTIVES = tuple(Collective)
+_REDUCTIONS = tuple(Reduction)
+
+
+def _code(split: TensorSplit) -> int:
+    if split.partial is not None:
+        return -2 - _REDUCTIONS.index(split.partial)
+    return -1 if split.dim is None else split.dim
+
+
+class _Codes:
+    """A plan as integer codes: per op a row of strategy ids (one per axis), per strategy
+    the code of each input and output (missing ones whole), and whether it splits the op."""
+
+    def __init__(self, pricer: StepPricer, op_strategies: Mapping[str, Sequence[OpStrategy]], num_axes: int):
+        names = list(op_strategies)
+        flat = [strategy for strategies in op_strategies.values() for strategy in strategies]
+        ids = np.fromiter(map(id, flat), dtype=np.int64, count=len(flat))
+        _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+        table: list[OpStrategy | None] = [None] + [flat[i] for i in first]      # id 0: no strategy
+        rows = np.asarray(inverse, dtype=np.int64).reshape(len(names), num_axes) + 1
+        op_index = pricer._op_index
+        order = [op_index.get(name, -1) for name in names]
+        self.names = names
+        self.table_rows = rows
+        self.rows = np.zeros((pricer._absent + 1, num_axes), dtype=np.int64)
+        self.has = np.zeros(pricer._absent + 1, dtype=bool)
+        where = np.asarray(order, dtype=np.int64)
+        inside = where >= 0
+        self.rows[where[inside]] = self.table_rows[inside]
+        self.has[where[inside]] = True
+        self.inputs = np.full((len(table), pricer._max_in), -1, dtype=np.int64)
+        self.outputs = np.full((len(table), pricer._max_out), -1, dtype=np.int64)
+        self.splits = np.zeros(len(table), dtype=bool)
+        for sid, strategy in enumerate(table[1:], start=1):
+            self.inputs[sid, :len(strategy.inputs)] = [_code(s) for s in strategy.inputs]
+            self.outputs[sid, :len(strategy.outputs)] = [_code(s) for s in strategy.outputs]
+            self.splits[sid] = is_split(strategy)
+
+    def compute_seconds(self, work_seconds: Mapping[str, float], sizes: np.ndarray) -> float:
+        """Sum over ops, in plan order, of work / product of the axis sizes splitting it."""
+        if not self.names:
+            return 0.0
+        work = np.asarray([work_seconds.get(name, 0.0) for name in self.names], dtype=np.float64)
+        factor = np.prod(np.where(self.splits[self.table_rows], sizes, 1), axis=1)
+        return sum((work / factor).tolist())
+
+
+def _collective_codes(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """``collectives.collective_for`` on codes: index into ``Collective`` order, -1 if local."""
+    kind = np.full(src.shape, -1, dtype=np.int64)
+    partial = src <= -2
+    kind[partial & (dst >= 0)] = _COLLECTIVES.index(Collective.REDUCE_SCATTER)
+    kind[partial & (dst < 0) & (dst != src)] = _COLLECTIVES.index(Collective.ALL_REDUCE)
+    gather = ~partial & (dst >= -1) & (src >= 0) & (src != dst)
+    kind[gather & (dst == -1)] = _COLLECTIVES.index(Collective.ALL_GATHER)
+    kind[gather & (dst >= 0)] = _COLLECTIVES.index(Collective.ALL_TO_ALL)
+    return kind
+
+
+def _collective_tables(n: int, link) -> tuple[np.ndarray, np.ndarray]:
+    """Per collective (and a trailing zero row for "none", index -1): bytes factor and
+    the latency term, from ``collectives.collective_cost`` itself."""
+    factor = [collective_cost(c, 1.0, n, link).bytes for c in _COLLECTIVES] + [0.0]
+    fixed = [collective_cost(c, 0.0, n, link).seconds for c in _COLLECTIVES] + [0.0]
+    return np.asarray(factor), np.asarray(fixed)
+
+
+def _totals(keys: np.ndarray, nbytes: np.ndarray, seconds: np.ndarray, labels) -> dict[str, tuple[float, float]]:
+    """Sums per key in order of first appearance (sequential sums, as a loop adds)."""
+    if not len(keys):
+        return {}
+    sum_bytes = np.bincount(keys, weights=nbytes, minlength=len(labels))
+    sum_seconds = np.bincount(keys, weights=seconds, minlength=len(labels))
+    first = np.unique(keys, return_index=True)[1]
+    return {labels[keys[i]]: (float(sum_bytes[keys[i]]), float(sum_seconds[keys[i]])) for i in sorted(first)}
 
 
 def _made_by(graph: ir.Graph) -> dict[str, tuple[str, int]]:
@@ -173,34 +275,6 @@ def _splits_of(made, op_strategies, num_axes: int) -> dict[str, tuple[TensorSpli
     return out
 
 
-def _conversions(src, dst, nbytes: float, sizes, links) -> tuple[Transfer, ...]:
-    """The collectives converting ``src`` to ``dst`` axis by axis: on axis ``k`` after the
-    consumer's splits on axes ``< k`` and while the producer's hold on axes ``> k``."""
-    out = []
-    for k in range(len(sizes)):
-        moved = transfer(src[k], dst[k], nbytes / _split_factor(dst[:k], sizes[:k]) /
-                         _split_factor(src[k + 1:], sizes[k + 1:]), sizes[k], links[k])
-        if moved is not None:
-            out.append(moved)
-    return tuple(out)
-
-
-def _compute_seconds(work_seconds: Mapping[str, float], op_strategies, sizes) -> float:
-    """Sum over ops of work / devices splitting it (``split_factor``), memoized per strategy tuple."""
-    factors: dict[tuple[int, ...], int] = {}
-    total = 0.0
-    for name, strategies in op_strategies.items():
-        work = work_seconds.get(name, 0.0)
-        if not work:
-            continue
-        key = tuple(map(id, strategies))
-        factor = factors.get(key)
-        if factor is None:
-            factor = factors[key] = split_factor(strategies, sizes)
-        total += work / factor
-    return total
-
-
 def op_work_seconds(graph: ir.Graph, hardware: HardwareProfile) -> dict[str, float]:
     """Per op with any work, its compute seconds on one device when not split."""
     out = {}
@@ -217,11 +291,3 @@ def _split_factor(splits: Sequence[TensorSplit], sizes: Sequence[int]) -> int:
         if split.dim is not None:
             factor *= size
     return factor
-
-
-def _add(table: dict[str, list[float]], key: str, nbytes: float, seconds: float) -> None:
-    entry = table.setdefault(key, [0.0, 0.0])
-    entry[0] += nbytes
-    entry[1] += seconds
-
-

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from tofu_tf import ir
 from tofu_tf.cost.evaluate import StepCost, StepPricer, op_work_seconds
@@ -22,7 +22,7 @@ from tofu_tf.mesh import MeshSpec, ordered_factorizations
 from tofu_tf.plan import CommCost, Method, Objective, Plan, format_bytes
 from tofu_tf.search import baselines, tofu_dp
 from tofu_tf.search.coarsen import GraphIndex, StrategyProvider
-from tofu_tf.search.problem import AxisDecision, AxisProblem, ProblemBuilder
+from tofu_tf.search.problem import TIE_PENALTY, AxisDecision, AxisProblem, ProblemBuilder
 from tofu_tf.search.targets import Target, as_target, pinned_variables, restrict_provider
 
 _MEMORY_LAMBDA = 1.0        # seconds per byte: memory dominates any communication time
@@ -126,53 +126,97 @@ def _solver(method: Method, max_states: int, time_limit_s: float) -> AxisSolver:
     return lambda problem, lam: tofu_dp.solve_axis(problem, lam, max_states=max_states)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Solved:
+    """A mesh's decisions, whether every axis was proved optimal, and a lower bound on the
+    plan's priced objective: the last axis's modeled seconds. On the last axis no later
+    axis shrinks a conversion, so its communication is exactly the plan's communication on
+    that axis, and its compute term is the plan's compute (objective "time"; none under
+    "comm"); earlier axes only add communication."""
+
+    decisions: tuple[AxisDecision, ...]
+    exact: bool
+    bound: float
+
+
 class _Search:
-    """Solves mesh shapes axis by axis, sharing solved prefixes between shapes."""
+    """Solves mesh shapes axis by axis, sharing solved prefixes between shapes, and prices
+    only the meshes whose lower bound does not already lose to a priced plan that fits."""
 
     def __init__(self, index: GraphIndex, liveness: Liveness, hardware: HardwareProfile,
                  solver: AxisSolver, restrict, work):
         self.index, self.liveness, self.hardware, self.work = index, liveness, hardware, work
         self.pricer = StepPricer(index.graph, liveness)
         self.solver, self.restrict = solver, restrict
-        self._prefixes: dict[tuple, tuple[tuple[AxisDecision, ...], bool]] = {}
+        self._prefixes: dict[tuple, _Solved] = {}
         self.solves = 0
+        self.priced = 0
+        self.pruned = 0
         self.proved = True
 
-    def solve(self, mesh: MeshSpec, lam: float) -> _Candidate:
-        decisions: tuple[AxisDecision, ...] = ()
-        exact = True
+    def decide(self, mesh: MeshSpec, lam: float) -> _Solved:
+        solved = _Solved((), True, 0.0)
         for k in range(len(mesh.axes)):
             key = (mesh.sizes[: k + 1], mesh.num_devices, lam)
             if key not in self._prefixes:
                 link = self.hardware.axis_link(mesh, k)
-                problem = ProblemBuilder(self.index, decisions, mesh.sizes[k], link, self.restrict).build()
+                problem = ProblemBuilder(self.index, solved.decisions, mesh.sizes[k], link, self.restrict).build()
                 solution = self.solver(problem, lam)
                 self.solves += 1
-                self._prefixes[key] = (decisions + (_decision(problem, solution, mesh.sizes[k]),),
-                                       exact and solution.exact)
-            decisions, exact = self._prefixes[key]
-        op_strategies, var_splits = _merge(decisions)
+                seconds = problem.time(solution.choice)
+                self._prefixes[key] = _Solved(solved.decisions + (_decision(problem, solution, mesh.sizes[k]),),
+                                              solved.exact and solution.exact,
+                                              seconds if seconds < TIE_PENALTY else 0.0)
+            solved = self._prefixes[key]
+        self.proved = self.proved and solved.exact
+        return solved
+
+    def price(self, mesh: MeshSpec, solved: _Solved) -> _Candidate:
+        op_strategies, var_splits = _merge(solved.decisions)
         cost = self.pricer.price(mesh, self.hardware, op_strategies, var_splits, work_seconds=self.work)
-        self.proved = self.proved and exact
-        return _Candidate(mesh, decisions, cost, exact)
+        self.priced += 1
+        return _Candidate(mesh, solved.decisions, cost, solved.exact)
+
+    def solve(self, mesh: MeshSpec, lam: float) -> _Candidate:
+        return self.price(mesh, self.decide(mesh, lam))
+
+    def candidates(self, meshes: Sequence[MeshSpec], lam: float, budget: int,
+                   objective: Objective) -> list[_Candidate]:
+        """The priced plans of ``meshes`` at ``lam``, cheapest bound first, leaving out meshes
+        whose bound exceeds the best fitting plan's objective (they cannot be picked). Under
+        the memory objective (peak first) every mesh is priced."""
+        solved = [(mesh, self.decide(mesh, lam)) for mesh in meshes]
+        if objective is Objective.MEMORY:
+            return [self.price(mesh, s) for mesh, s in solved]
+        out, best = [], float("inf")
+        for mesh, s in sorted(solved, key=lambda item: item[1].bound):
+            if s.bound > best * (1 + 1e-9):
+                self.pruned += 1
+                continue
+            candidate = self.price(mesh, s)
+            out.append(candidate)
+            if candidate.cost.memory.peak_bytes <= budget:
+                best = min(best, candidate.key(objective)[0])
+        return out
 
     def best_under_budget(self, meshes: Sequence[MeshSpec], budget: int, objective: Objective) -> _Candidate:
         first_lam = _MEMORY_LAMBDA if objective is Objective.MEMORY else 0.0
-        fitting = self._fitting([self.solve(m, first_lam) for m in meshes], budget)
+        fitting = self._fitting(self.candidates(meshes, first_lam, budget, objective), budget)
         if fitting or objective is Objective.MEMORY:
             return self._pick(fitting, budget, objective, meshes)
-        leanest = [self.solve(m, _MEMORY_LAMBDA) for m in meshes]
+        leanest = self.candidates(meshes, _MEMORY_LAMBDA, budget, objective)
         if not self._fitting(leanest, budget):
             self._raise_infeasible(leanest, budget)
-        return self._pick(self._fitting(leanest, budget) + self._bisect(meshes, budget), budget, objective, meshes)
+        return self._pick(self._fitting(leanest, budget) + self._bisect(meshes, budget, objective), budget,
+                          objective, meshes)
 
-    def _bisect(self, meshes, budget) -> list[_Candidate]:
+    def _bisect(self, meshes, budget, objective) -> list[_Candidate]:
         """Lagrangian search: the smallest multiplier (least communication) that still fits."""
         found: list[_Candidate] = []
         lo, hi = 1e-16, _MEMORY_LAMBDA
         for _ in range(_BISECTION_STEPS * 2):
             mid = (lo * hi) ** 0.5
-            fits = self._fitting([self.solve(m, mid) for m in meshes], budget)
+            fits = self._fitting(self.candidates(meshes, mid, budget, objective), budget)
             found += fits
             lo, hi = (lo, mid) if fits else (mid, hi)
             if hi / lo < 1.5:
@@ -209,15 +253,27 @@ def _decision(problem: AxisProblem, solution: tofu_dp.AxisSolution, size: int) -
         strategies.update(zip(node.members, option.strategies))
         if option.var_split is not None:
             var_splits.update(dict.fromkeys(node.paths, option.var_split))
-    return AxisDecision(size, strategies, var_splits)
+    blocks = problem.blocks
+    keys = None if blocks is None else tuple(
+        (template, solution.choice[start: start + blocks.period])
+        for template, start in zip(blocks.templates, blocks.starts()))
+    return AxisDecision(size, strategies, var_splits, keys)
 
 
 def _merge(decisions: Sequence[AxisDecision]):
-    op_strategies = {name: tuple(d.op_strategies[name] for d in decisions) for name in decisions[0].op_strategies} \
-        if decisions else {}
-    var_splits = {path: tuple(d.var_splits[path] for d in decisions) for path in decisions[0].var_splits} \
-        if decisions else {}
-    return op_strategies, var_splits
+    """Per op its strategy on every axis, per variable its split on every axis. Every
+    axis lists the same ops in the same order (the problem's node order), so the
+    per-axis tables are zipped, not looked up."""
+    if not decisions:
+        return {}, {}
+    return _zip_tables([d.op_strategies for d in decisions]), _zip_tables([d.var_splits for d in decisions])
+
+
+def _zip_tables(tables: Sequence[Mapping]) -> dict:
+    keys = list(tables[0])
+    if all(list(t) == keys for t in tables[1:]):
+        return dict(zip(keys, zip(*(t.values() for t in tables))))
+    return {key: tuple(t[key] for t in tables) for key in keys}
 
 
 # -- the Plan ------------------------------------------------------------------

@@ -156,6 +156,8 @@ class GraphIndex:
             self.tied_outputs[q] = tuple(sorted(set(self.tied_outputs.get(q, ())) | {k}))
         self.peak_live = self._peak_live(liveness or Liveness(graph))
         self._strategy_cache: dict[tuple[str, int], tuple[OpStrategy, ...]] = {}
+        self._tied_cache: dict[tuple, OpStrategy | None] = {}
+        self.matrix_cache: dict[tuple, np.ndarray] = {}   # transfer tables, by value (splits, bytes, n, link)
         self.members, self.paths = self._members()
         self.use_table, self.tie_edges = self._use_table()
         self.run = fold.find_run(self) if fold_blocks else None
@@ -392,6 +394,18 @@ class GraphIndex:
         return frozenset(liveness.names[i] for i in np.nonzero(alive)[0])
 
     # -- strategies --------------------------------------------------------------
+    def tied_strategy(self, op_name: str, split: TensorSplit, n: int) -> OpStrategy | None:
+        """The strategy of a folded update op that lays every weight-shaped tensor out as
+        ``split`` (scalars whole), or None if it has none."""
+        key = (op_name, split, n)
+        if key not in self._tied_cache:
+            op, tensors = self.ops[op_name], self.graph.tensors
+            wanted = OpStrategy(
+                "tied", tuple(split_of(tensors[t], split) if t in tensors else REPLICATED for t in op.inputs),
+                tuple(split_of(tensors[t], split) for t in op.outputs))
+            self._tied_cache[key] = next((s for s in self.strategies(op_name, n) if same_splits(s, wanted)), None)
+        return self._tied_cache[key]
+
     def strategies(self, op_name: str, n: int) -> tuple[OpStrategy, ...]:
         key = (op_name, n)
         if key not in self._strategy_cache:
@@ -421,7 +435,7 @@ class GraphIndex:
     def _use_table(self) -> tuple[tuple[Use, ...], tuple[TieEdge, ...]]:
         order = self.order_of
         member_at = {(m, node): i for node, ms in self.members.items() for i, m in enumerate(ms)}
-        uses, ties, tied_done = [], [], set()
+        uses, ties, tied_to = [], [], {}
         for consumer, j, source in self.uses:
             producer = self.graph.tensors[source].producer
             cnode, pnode = self.owner(consumer), self.owner(producer)
@@ -430,10 +444,11 @@ class GraphIndex:
             tie_pos = None
             if tie is not None:
                 forward, k = tie
-                tie_pos = (order[forward], k)
-                if source not in tied_done:
-                    tied_done.add(source)
+                if source not in tied_to:        # one tie edge per gradient: its first tied use's
+                    tied_to[source] = tie
                     ties.append(TieEdge(source, order[pnode], member_at[producer, pnode], out_index, order[forward], k))
+                if tied_to[source] == tie:       # a use tied elsewhere is priced from the producer itself
+                    tie_pos = (order[forward], k)
             uses.append(Use(consumer, j, source, order[cnode], member_at[consumer, cnode], order[pnode],
                             member_at[producer, pnode], out_index, tie_pos))
         return tuple(uses), tuple(ties)

@@ -43,7 +43,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tofu_tf.search.problem import AxisProblem, Blocks
+from tofu_tf.search.problem import AxisProblem
 
 DEFAULT_MAX_ENTRIES = 1 << 21
 
@@ -124,7 +124,7 @@ class _Factors:
                 if v != x:
                     self.of_node[v].discard(fid)
         argmin = np.argmin(total, axis=0)
-        best = np.take_along_axis(total, argmin[None], axis=0)[0]
+        best = np.min(total, axis=0)
         self.add(tuple(rest), best)
         return _Record(x, tuple(rest), argmin)
 
@@ -185,13 +185,11 @@ def _solve(problem: AxisProblem, lam: float, max_entries: int) -> EliminationRes
             block_records.append((shift, records))
             skip_nodes.update(b + r for r in interior)
             skip_edges.update(edge_ids[b])
-            for r in range(problem.blocks.period):
-                if r not in interior:
-                    skip_nodes.discard(b + r)
+    folded_starts = {b for _, members, _, _ in folds for b in members}
     for i in range(len(problem.nodes)):
         if i in skip_nodes:
             continue
-        if not _covered(i, folds, problem.blocks):
+        if problem.blocks is None or problem.blocks.block_start(i) not in folded_starts:
             factors.add((i,), problem.unary[i] + lam * problem.memory[i])
     for e, edge in enumerate(problem.edges):
         if e not in skip_edges:
@@ -213,14 +211,6 @@ def _read_back(records: list[_Record], choice: list[int], shift: int) -> None:
         choice[record.node + shift] = int(record.argmin[index]) if index else int(record.argmin)
 
 
-def _covered(i: int, folds, blocks: Blocks | None) -> bool:
-    """Whether node ``i`` is a boundary node of a folded block (its unary went in with the block)."""
-    if blocks is None:
-        return False
-    b = blocks.block_start(i)
-    return b is not None and any(b in members for _, members, _, _ in folds)
-
-
 def _foldable(problem: AxisProblem):
     """Groups of identical blocks: (template, block starts, interior offsets, edge ids per block).
 
@@ -228,26 +218,26 @@ def _foldable(problem: AxisProblem):
     inside it equal the template block's; interior nodes are those no block of the
     group connects to anything outside the block."""
     blocks = problem.blocks
-    period = blocks.period
-    inside: dict[int, list[int]] = {b: [] for b in blocks.starts()}
-    boundary: dict[int, set[int]] = {b: set() for b in blocks.starts()}
-    for e, edge in enumerate(problem.edges):
-        bu, bv = blocks.block_start(edge.u), blocks.block_start(edge.v)
-        if bu is not None and bu == bv:
-            inside[bu].append(e)
-            continue
-        if bu is not None:
-            boundary[bu].add(edge.u - bu)
-        if bv is not None:
-            boundary[bv].add(edge.v - bv)
+    period, starts = blocks.period, list(blocks.starts())
+    ends = np.asarray([(e.u, e.v) for e in problem.edges], dtype=np.int64).reshape(-1, 2)
+    block = np.where((ends >= blocks.start) & (ends < blocks.stop), (ends - blocks.start) // period, -1)
+    same = (block[:, 0] == block[:, 1]) & (block[:, 0] >= 0)
+    inside: dict[int, list[int]] = {b: [] for b in starts}
+    for e in np.nonzero(same)[0].tolist():
+        inside[starts[block[e, 0]]].append(e)
+    boundary: dict[int, set[int]] = {b: set() for b in starts}
+    for side in (0, 1):
+        crossing = ~same & (block[:, side] >= 0)
+        for b, node in zip(block[crossing, side].tolist(), ends[crossing, side].tolist()):
+            boundary[starts[b]].add(node - starts[b])
     groups: dict[int, list[int]] = {}
-    for b, template in zip(blocks.starts(), blocks.templates):
+    for b, template in zip(starts, blocks.templates):
         groups.setdefault(template, []).append(b)
     folds = []
-    for template, starts in groups.items():
-        first = starts[0]
+    for template, members_ in groups.items():
+        first = members_[0]
         shape = _internal_shape(problem, first, inside[first])
-        members = [b for b in starts if b == first or _same_block(problem, first, b, period, inside, shape)]
+        members = [b for b in members_ if b == first or _same_block(problem, first, b, period, inside, shape)]
         if len(members) < 2:
             continue
         outside = set().union(*(boundary[b] for b in members))

@@ -38,7 +38,7 @@ import numpy as np
 from tofu_tf.cost.collectives import transfer_seconds
 from tofu_tf.cost.compute import is_split
 from tofu_tf.cost.hardware import Link
-from tofu_tf.search.coarsen import P_SUM, GraphIndex, TieEdge, Use, VarGroup, same_splits, split_of
+from tofu_tf.search.coarsen import P_SUM, GraphIndex, TieEdge, Use, VarGroup, split_of
 from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, TensorSplit
 
 TIE_PENALTY = 1e3   # seconds: larger than any step, so a broken gradient tie never wins
@@ -51,6 +51,7 @@ class AxisDecision:
     size: int
     op_strategies: Mapping[str, OpStrategy]
     var_splits: Mapping[str, TensorSplit]
+    block_keys: tuple | None = None   # per repeated block: (template, options chosen); equal keys, equal decisions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +70,10 @@ class Option:
     grads: tuple[tuple[int, TensorSplit], ...] = ()
 
     def grad(self, output: int) -> TensorSplit:
-        return dict(self.grads)[output]
+        for index, split in self.grads:
+            if index == output:
+                return split
+        raise KeyError(output)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +159,7 @@ class ProblemBuilder:
         self.index, self.prior, self.n, self.link = index, tuple(prior), n, link
         self.restrict = restrict
         self.tensors = index.graph.tensors
-        self._matrices: dict[tuple, np.ndarray] = {}
+        self._matrices = index.matrix_cache      # shared by every axis problem of the graph
 
     def build(self) -> AxisProblem:
         index = self.index
@@ -202,10 +206,13 @@ class ProblemBuilder:
         """Per block, the first block with the same decisions on every earlier axis."""
         first: dict[tuple, int] = {}
         out = []
+        keyed = all(d.block_keys is not None and len(d.block_keys) == run.count for d in self.prior)
         for b in range(run.count):
             start = run.start + b * run.period
-            sig = tuple(self._prior_signature(names[i]) for i in range(start, start + run.period)) \
-                if self.prior else ()
+            if keyed:
+                sig = tuple(d.block_keys[b] for d in self.prior)
+            else:
+                sig = tuple(self._prior_signature(names[i]) for i in range(start, start + run.period))
             out.append(first.setdefault(sig, b))
         return out
 
@@ -272,7 +279,7 @@ class ProblemBuilder:
             if strategies is None:
                 continue
             per_device = group.nbytes / shrink / (self.n if split.dim is not None else 1)
-            compute = sum(self._compute(op, strategies[op]) for op in group.folded)
+            compute = sum(self._compute(op, strategy) for op, strategy in strategies.items())
             options.append(Option(split.text(), tuple(strategies[m] for m in members), split, 0.0, per_device,
                                   compute))
         return options
@@ -298,11 +305,7 @@ class ProblemBuilder:
             out[name] = OpStrategy("assign", (REPLICATED,) + tuple(
                 split_of(self.tensors[t], split) for t in op.inputs[1:]), ())
         for name in group.folded:
-            op = self.index.ops[name]
-            wanted = OpStrategy(
-                "tied", tuple(split_of(self.tensors[t], split) if t in self.tensors else REPLICATED for t in op.inputs),
-                tuple(split_of(self.tensors[t], split) for t in op.outputs))
-            match = next((s for s in self.index.strategies(name, self.n) if same_splits(s, wanted)), None)
+            match = self.index.tied_strategy(name, split, self.n)
             if match is None or not self._strategy_legal(name, match):
                 return None
             out[name] = match
@@ -382,7 +385,7 @@ class ProblemBuilder:
         self._add_matrix(use.consumer_node, pu, self._transfer_matrix(src, dst, nbytes), unary, pair_costs, shared)
 
     def _transfer_matrix(self, src: tuple, dst: tuple, nbytes: float) -> np.ndarray:
-        key = (src, dst, nbytes)
+        key = (src, dst, nbytes, self.n, self.link)
         matrix = self._matrices.get(key)
         if matrix is None:
             table = {(s, d): transfer_seconds(s, d, nbytes, self.n, self.link) for s in set(src) for d in set(dst)}

@@ -70,6 +70,7 @@ class AxisSolution:
     objective: float
     exact: bool
     max_states: int
+    incumbents: tuple[tuple[float, float], ...] = ()   # ILP: (seconds, objective) of each improving solution
 
 
 @dataclasses.dataclass(frozen=True)
