@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from tofu_tf.pipeline import (LayerStats, Method, Schedule, StagePlan, balanced_boundaries,
                               partition, stage_peak_bytes, uniform_boundaries)
 
-partition_module = importlib.import_module("tofu_tf.pipeline.partition")
+search_module = importlib.import_module("tofu_tf.pipeline.exact_search")
+dp_module = importlib.import_module("tofu_tf.pipeline.lex_dp")
 
 
 # --------------------------------------------------------------------------- chains
@@ -169,8 +170,8 @@ def test_optimal_matches_reference_dp_on_longer_chains(kind):
 @pytest.mark.parametrize("split_work, small_block", [(0, 64), (64, 0), (0, 0)])
 def test_internal_paths_stay_exact(monkeypatch, split_work, small_block):
     """Force piece splitting and the vectorised candidate scan on small chains."""
-    monkeypatch.setattr(partition_module, "_SPLIT_WORK_PER_STAGE", split_work)
-    monkeypatch.setattr(partition_module, "_SMALL_BLOCK", small_block)
+    monkeypatch.setattr(search_module, "_SPLIT_WORK_PER_STAGE", split_work)
+    monkeypatch.setattr(dp_module, "_SMALL_BLOCK", small_block)
     rng = np.random.default_rng(99)
     for trial in range(150):
         kind = KINDS[trial % 4]
@@ -184,8 +185,8 @@ def test_internal_paths_stay_exact(monkeypatch, split_work, small_block):
 
 
 def test_huge_blocks_are_processed_in_column_slices(monkeypatch):
-    monkeypatch.setattr(partition_module, "_BLOCK_ENTRIES", 4)
-    monkeypatch.setattr(partition_module, "_SMALL_BLOCK", 0)
+    monkeypatch.setattr(dp_module, "_BLOCK_ENTRIES", 4)
+    monkeypatch.setattr(dp_module, "_SMALL_BLOCK", 0)
     rng = np.random.default_rng(17)
     for trial in range(60):
         kind = ["analytic", "offsets", "mixed"][trial % 3]
@@ -197,7 +198,7 @@ def test_huge_blocks_are_processed_in_column_slices(monkeypatch):
 
 
 def test_heuristic_bound_with_exhausted_probe_budget(monkeypatch):
-    monkeypatch.setattr(partition_module, "_HEURISTIC_PROBES", 1)
+    monkeypatch.setattr(search_module, "_HEURISTIC_PROBES", 1)
     rng = np.random.default_rng(23)
     for trial in range(60):
         n = int(rng.integers(3, 10))
@@ -212,14 +213,14 @@ def test_identical_layers_use_fewest_top_stage_windows(monkeypatch, schedule):
     """Which stages take the extra layers is free at the top level: the search
     narrows to partitions with the fewest stages at the min-max, and certifies it."""
     calls = []
-    original = partition_module._fewest_top_windows
+    original = search_module._fewest_top_windows
 
     def spy(*args):
         calls.append(original(*args))
         return calls[-1]
 
-    monkeypatch.setattr(partition_module, "_fewest_top_windows", spy)
-    monkeypatch.setattr(partition_module, "_SPLIT_WORK_PER_STAGE", 0)
+    monkeypatch.setattr(search_module, "_fewest_top_windows", spy)
+    monkeypatch.setattr(search_module, "_SPLIT_WORK_PER_STAGE", 0)
     layers = [_layer(i, 100, 10, 0) for i in range(61)]
     plan = partition(layers, 12, schedule=schedule, num_microbatches=6)
     assert any(found is not None for found in calls)
@@ -231,17 +232,17 @@ def test_identical_layers_use_fewest_top_stage_windows(monkeypatch, schedule):
 def test_fewest_top_stage_windows_fall_back_when_not_certified(monkeypatch, sabotage):
     """An understated count is caught by the certificate; without a budget the
     plain windows are used. Either way the answer stays exact."""
-    original = partition_module._fewest_top_windows
+    original = search_module._fewest_top_windows
 
     def understated(*args):
         found = original(*args)
         return found if found is None or found[0] == 0 else (found[0] - 1, *found[1:])
 
-    monkeypatch.setattr(partition_module, "_SPLIT_WORK_PER_STAGE", 0)
+    monkeypatch.setattr(search_module, "_SPLIT_WORK_PER_STAGE", 0)
     if sabotage == "understate_count":
-        monkeypatch.setattr(partition_module, "_fewest_top_windows", understated)
+        monkeypatch.setattr(search_module, "_fewest_top_windows", understated)
     else:
-        monkeypatch.setattr(partition_module, "_COUNT_GREEDY_STEPS", 1)
+        monkeypatch.setattr(search_module, "_COUNT_GREEDY_STEPS", 1)
     layers = [_layer(i, 100, 10, 0) for i in range(45)]
     plan = partition(layers, 10, schedule="gpipe", num_microbatches=2)
     _assert_matches_reference(plan, layers, "gpipe", 2)
