@@ -48,6 +48,7 @@ from tensorflow.python.distribute.experimental import dtensor_util
 
 from strategies import keras_hooks
 from tofu_tf.tf import devices as devices_lib
+from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import lowering
 from tofu_tf.tf import variables as variables_lib
 
@@ -179,6 +180,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._adopt(plan)
 
     def _prepare(self, model) -> None:
+        keras_adapter.defer_slot_zeros(getattr(model, "optimizer", None))
         if id(model) in self._prepared:
             self._hint_layouts(model)
             return

@@ -145,15 +145,9 @@ def recording_slots(optimizer, *, defer_zeros: bool = False) -> Iterator[list[Sl
     original = optimizer.add_variable_from_reference
 
     def wrapper(*args, **kwargs):
-        # tf-keras calls it as (model_variable, variable_name), Keras 3 as
-        # (reference_variable, name); positionally or by keyword.
-        named = dict(zip(("reference", "name"), args))
-        reference = named.get("reference", kwargs.get("model_variable", kwargs.get("reference_variable")))
-        name = named.get("name", kwargs.get("variable_name", kwargs.get("name")))
-        if defer_zeros and len(args) < 4 and kwargs.get("initial_value") is None:
-            shape = kwargs.get("shape") if len(args) < 3 else args[2]
-            dtype = getattr(reference, "true_dtype", reference.dtype)
-            kwargs["initial_value"] = DeferredZeros(reference.shape if shape is None else shape, dtype)
+        reference, name = _slot_reference_and_name(args, kwargs)
+        if defer_zeros:
+            _defer_default_zeros(reference, args, kwargs)
         slot = original(*args, **kwargs)
         records.append(SlotRecord(slot=tf_variable(slot), weight=tf_variable(reference), slot_name=str(name)))
         return slot
@@ -163,6 +157,46 @@ def recording_slots(optimizer, *, defer_zeros: bool = False) -> Iterator[list[Sl
         yield records
     finally:
         del optimizer.add_variable_from_reference
+
+
+def defer_slot_zeros(optimizer) -> None:
+    """Make a tf-keras optimizer hand its zero-initialized slots a ``DeferredZeros``.
+
+    Its ``add_variable_from_reference`` otherwise builds ``tf.zeros(weight.shape)``
+    eagerly, a full-size slot on one device, before any variable creator can
+    choose a layout. Idempotent; Keras 3 optimizers are left alone.
+    """
+    if optimizer is None or getattr(optimizer, "_tofu_defers_zeros", False):
+        return
+    if not type(optimizer).__module__.startswith("tf_keras"):
+        return
+    original = optimizer.add_variable_from_reference
+
+    def wrapper(*args, **kwargs):
+        reference, _ = _slot_reference_and_name(args, kwargs)
+        _defer_default_zeros(reference, args, kwargs)
+        return original(*args, **kwargs)
+
+    optimizer.add_variable_from_reference = wrapper
+    optimizer._tofu_defers_zeros = True  # pylint: disable=protected-access
+
+
+def _slot_reference_and_name(args, kwargs):
+    # tf-keras calls add_variable_from_reference as (model_variable,
+    # variable_name), Keras 3 as (reference_variable, name); positionally or by keyword.
+    named = dict(zip(("reference", "name"), args))
+    reference = named.get("reference", kwargs.get("model_variable", kwargs.get("reference_variable")))
+    name = named.get("name", kwargs.get("variable_name", kwargs.get("name")))
+    return reference, name
+
+
+def _defer_default_zeros(reference, args, kwargs) -> None:
+    """Replace the default (zeros) initial value of a slot by a ``DeferredZeros``, in ``kwargs``."""
+    if len(args) >= 4 or kwargs.get("initial_value") is not None:
+        return
+    shape = kwargs.get("shape") if len(args) < 3 else args[2]
+    dtype = getattr(reference, "true_dtype", reference.dtype)
+    kwargs["initial_value"] = DeferredZeros(reference.shape if shape is None else shape, dtype)
 
 
 def optimizer_variables(optimizer) -> list[tf.Variable]:
