@@ -123,9 +123,25 @@ class StepPricer:
               var_splits: Mapping[str, Sequence[TensorSplit]], *,
               work_seconds: Mapping[str, float] | None = None) -> StepCost:
         """The ``StepCost`` of one plan (see the module docstring)."""
+        names = list(op_strategies)
+        columns = [[strategies[k] for strategies in op_strategies.values()] for k in range(len(mesh.sizes))]
+        return self._price(mesh, hardware, _Codes(self, names, columns), var_splits, work_seconds)
+
+    def price_axes(self, mesh: MeshSpec, hardware: HardwareProfile, axes: Sequence[Mapping[str, OpStrategy]],
+                   var_splits: Mapping[str, Sequence[TensorSplit]], *,
+                   work_seconds: Mapping[str, float] | None = None) -> StepCost:
+        """``price`` for a plan given as one table per mesh axis (op -> strategy): the search's
+        form, priced without first merging the tables."""
+        names = list(axes[0]) if axes else []
+        if any(list(table) != names for table in axes[1:]):
+            merged = {name: tuple(table[name] for table in axes) for name in names}
+            return self.price(mesh, hardware, merged, var_splits, work_seconds=work_seconds)
+        return self._price(mesh, hardware, _Codes(self, names, [list(t.values()) for t in axes]), var_splits,
+                           work_seconds)
+
+    def _price(self, mesh, hardware, codes: "_Codes", var_splits, work_seconds) -> StepCost:
         sizes = np.asarray(mesh.sizes, dtype=np.int64)
         links = [hardware.axis_link(mesh, k) for k in range(len(sizes))]
-        codes = _Codes(self, op_strategies, len(sizes))
         by_kind, by_layer = self._comm(codes, sizes, links)
         memory = self._memory(codes, sizes, var_splits)
         total_bytes = sum(v[0] for v in by_kind.values())
@@ -190,13 +206,14 @@ class _Codes:
     """A plan as integer codes: per op a row of strategy ids (one per axis), per strategy
     the code of each input and output (missing ones whole), and whether it splits the op."""
 
-    def __init__(self, pricer: StepPricer, op_strategies: Mapping[str, Sequence[OpStrategy]], num_axes: int):
-        names = list(op_strategies)
-        flat = [strategy for strategies in op_strategies.values() for strategy in strategies]
-        ids = np.fromiter(map(id, flat), dtype=np.int64, count=len(flat))
-        _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-        table: list[OpStrategy | None] = [None] + [flat[i] for i in first]      # id 0: no strategy
-        rows = np.asarray(inverse, dtype=np.int64).reshape(len(names), num_axes) + 1
+    def __init__(self, pricer: StepPricer, names: list[str], columns: list[list[OpStrategy]]):
+        """``columns[k][i]``: the strategy of op ``names[i]`` on axis ``k``."""
+        num_axes = len(columns)
+        ids = np.stack([np.fromiter(map(id, column), dtype=np.int64, count=len(names)) for column in columns],
+                       axis=1) if num_axes else np.zeros((len(names), 0), dtype=np.int64)
+        _, first, inverse = np.unique(ids.ravel(), return_index=True, return_inverse=True)
+        table: list[OpStrategy | None] = [None] + [columns[i % num_axes][i // num_axes] for i in first.tolist()]
+        rows = np.asarray(inverse, dtype=np.int64).reshape(len(names), num_axes) + 1      # 0: no strategy
         op_index = pricer._op_index
         order = [op_index.get(name, -1) for name in names]
         self.names = names

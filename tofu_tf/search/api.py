@@ -172,8 +172,9 @@ class _Search:
         return solved
 
     def price(self, mesh: MeshSpec, solved: _Solved) -> _Candidate:
-        op_strategies, var_splits = _merge(solved.decisions)
-        cost = self.pricer.price(mesh, self.hardware, op_strategies, var_splits, work_seconds=self.work)
+        var_splits = _zip_tables([d.var_splits for d in solved.decisions])
+        cost = self.pricer.price_axes(mesh, self.hardware, [d.op_strategies for d in solved.decisions], var_splits,
+                                      work_seconds=self.work)
         self.priced += 1
         return _Candidate(mesh, solved.decisions, cost, solved.exact)
 

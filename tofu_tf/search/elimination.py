@@ -164,7 +164,7 @@ def _solve(problem: AxisProblem, lam: float, max_entries: int) -> EliminationRes
     folds = _foldable(problem) if problem.blocks is not None else []
     skip_nodes: set[int] = set()
     skip_edges: set[int] = set()
-    block_records: list[tuple[int, list[_Record]]] = []
+    block_records: list[tuple[list[_Record], list[int]]] = []
     factors = _Factors(domain, max_entries)
     for start, members, interior, edge_ids in folds:
         local = _Factors(domain, max_entries)       # indices of the first block of the group
@@ -182,9 +182,9 @@ def _solve(problem: AxisProblem, lam: float, max_entries: int) -> EliminationRes
             for nodes, table in leftovers:
                 factors.add(tuple(v + shift for v in nodes), table)
             factors.constant += local.constant
-            block_records.append((shift, records))
             skip_nodes.update(b + r for r in interior)
             skip_edges.update(edge_ids[b])
+        block_records.append((records, [b - first for b in members]))
     folded_starts = {b for _, members, _, _ in folds for b in members}
     for i in range(len(problem.nodes)):
         if i in skip_nodes:
@@ -198,8 +198,10 @@ def _solve(problem: AxisProblem, lam: float, max_entries: int) -> EliminationRes
     records = factors.eliminate_greedily(remaining)
     choice = [0] * len(problem.nodes)
     _read_back(records, choice, 0)
-    for shift, block in reversed(block_records):
-        _read_back(block, choice, shift)
+    values = np.asarray(choice, dtype=np.int64)
+    for block, shifts in block_records:
+        _read_back_blocks(block, values, np.asarray(shifts, dtype=np.int64))
+    choice = values.tolist()
     objective = factors.constant
     return EliminationResult(tuple(choice), float(objective), factors.widest,
                              sum(len(m) - 1 for _, m, _, _ in folds))
@@ -211,6 +213,13 @@ def _read_back(records: list[_Record], choice: list[int], shift: int) -> None:
         choice[record.node + shift] = int(record.argmin[index]) if index else int(record.argmin)
 
 
+def _read_back_blocks(records: list[_Record], choice: np.ndarray, shifts: np.ndarray) -> None:
+    """``_read_back`` for every block of a group at once (same records, shifted nodes)."""
+    for record in reversed(records):
+        index = tuple(choice[v + shifts] for v in record.neighbours)
+        choice[record.node + shifts] = record.argmin[index] if index else int(record.argmin)
+
+
 def _foldable(problem: AxisProblem):
     """Groups of identical blocks: (template, block starts, interior offsets, edge ids per block).
 
@@ -219,12 +228,15 @@ def _foldable(problem: AxisProblem):
     group connects to anything outside the block."""
     blocks = problem.blocks
     period, starts = blocks.period, list(blocks.starts())
-    ends = np.asarray([(e.u, e.v) for e in problem.edges], dtype=np.int64).reshape(-1, 2)
+    count = len(problem.edges)
+    ends = np.empty((count, 2), dtype=np.int64)
+    ends[:, 0] = np.fromiter((e.u for e in problem.edges), dtype=np.int64, count=count)
+    ends[:, 1] = np.fromiter((e.v for e in problem.edges), dtype=np.int64, count=count)
     block = np.where((ends >= blocks.start) & (ends < blocks.stop), (ends - blocks.start) // period, -1)
     same = (block[:, 0] == block[:, 1]) & (block[:, 0] >= 0)
     inside: dict[int, list[int]] = {b: [] for b in starts}
-    for e in np.nonzero(same)[0].tolist():
-        inside[starts[block[e, 0]]].append(e)
+    for e, b in zip(np.nonzero(same)[0].tolist(), block[same, 0].tolist()):
+        inside[starts[b]].append(e)
     boundary: dict[int, set[int]] = {b: set() for b in starts}
     for side in (0, 1):
         crossing = ~same & (block[:, side] >= 0)
@@ -234,10 +246,9 @@ def _foldable(problem: AxisProblem):
     for b, template in zip(starts, blocks.templates):
         groups.setdefault(template, []).append(b)
     folds = []
-    for template, members_ in groups.items():
+    for members_ in groups.values():
         first = members_[0]
-        shape = _internal_shape(problem, first, inside[first])
-        members = [b for b in members_ if b == first or _same_block(problem, first, b, period, inside, shape)]
+        members = [b for b in members_ if b == first or _same_block(problem, first, b, period, inside)]
         if len(members) < 2:
             continue
         outside = set().union(*(boundary[b] for b in members))
@@ -247,19 +258,21 @@ def _foldable(problem: AxisProblem):
     return folds
 
 
-def _internal_shape(problem: AxisProblem, start: int, edge_ids: list[int]):
-    return {(problem.edges[e].u - start, problem.edges[e].v - start): problem.edges[e].cost for e in edge_ids}
-
-
-def _same_block(problem: AxisProblem, a: int, b: int, period: int, inside, shape_a) -> bool:
+def _same_block(problem: AxisProblem, a: int, b: int, period: int, inside) -> bool:
+    """Equal costs on every node and equal edges inside (edges are sorted, so a block's
+    internal edges come in the same order in every block that has the same ones)."""
     for r in range(period):
         if not (_same(problem.unary[a + r], problem.unary[b + r])
                 and _same(problem.memory[a + r], problem.memory[b + r])):
             return False
-    shape_b = _internal_shape(problem, b, inside[b])
-    if shape_a.keys() != shape_b.keys():
+    edges_a, edges_b = inside[a], inside[b]
+    if len(edges_a) != len(edges_b):
         return False
-    return all(_same(shape_a[k], shape_b[k]) for k in shape_a)
+    for ea, eb in zip(edges_a, edges_b):
+        x, y = problem.edges[ea], problem.edges[eb]
+        if x.u - a != y.u - b or x.v - a != y.v - b or not _same(x.cost, y.cost):
+            return False
+    return True
 
 
 def _same(x: np.ndarray, y: np.ndarray) -> bool:

@@ -31,7 +31,7 @@ share a template; the solver checks the arrays before folding them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -76,9 +76,9 @@ class Option:
         raise KeyError(output)
 
 
-@dataclasses.dataclass(frozen=True)
-class Node:
-    """A decision node: its member ops, the variable paths it lays out, its options."""
+class Node(NamedTuple):
+    """A decision node: its member ops, the variable paths it lays out, its options.
+    (A named tuple: every axis problem makes one per node.)"""
 
     name: str
     options: tuple[Option, ...]
@@ -93,10 +93,10 @@ class Node:
         return {} if split is None else {p: split for p in self.paths}
 
 
-@dataclasses.dataclass(frozen=True)
-class Edge:
+class Edge(NamedTuple):
     """Communication between two nodes (``u`` before ``v`` in DP order):
-    ``cost[a, b]`` seconds when ``u`` takes option ``a`` and ``v`` option ``b``."""
+    ``cost[a, b]`` seconds when ``u`` takes option ``a`` and ``v`` option ``b``.
+    (A named tuple: problems have tens of thousands of edges, built once per axis.)"""
 
     u: int
     v: int
