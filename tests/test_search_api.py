@@ -151,3 +151,19 @@ def test_plan_model_captures_and_plans():
     assert plan.input_layouts["x:0"] == ("batch", None)
     assert "dense_0/kernel" in plan.variable_layouts and "Adam/m/dense_0/kernel" in plan.variable_layouts
     assert plan.comm_by_collective["all-reduce"].bytes > 0
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it():
+    import gc
+    assert gc.isenabled()
+    _plan(mlp_graph(), "tofu")
+    assert gc.isenabled()
+    with pytest.raises(InfeasibleBudgetError):
+        _plan(mlp_graph(), "tofu", memory_budget_bytes=1000)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        _plan(mlp_graph(), "tofu")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

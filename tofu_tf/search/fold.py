@@ -70,7 +70,7 @@ def find_run(index: "GraphIndex", *, min_count: int = 2) -> Run | None:
     ids: dict[tuple, int] = {}
     signature = np.asarray([ids.setdefault(s, len(ids)) for s in _signatures(index, names)], dtype=np.int64)
     best = None
-    for period in range(1, len(names) // min_count + 1):
+    for period in _candidate_periods(signature, len(names) // min_count):
         equal = signature[:-period] == signature[period:]
         edges = np.diff(np.concatenate(([0], equal.astype(np.int8), [0])))
         starts, ends = np.nonzero(edges == 1)[0], np.nonzero(edges == -1)[0]
@@ -87,6 +87,16 @@ def find_run(index: "GraphIndex", *, min_count: int = 2) -> Run | None:
     start = _phase(index, first, period, span)
     count = (first + span - start) // period
     return Run(start, period, count) if count >= min_count else None
+
+
+def _candidate_periods(signature: np.ndarray, longest: int) -> list[int]:
+    """Periods worth testing: in a run of period ``L`` a node's next equal node is at most
+    ``L`` later, and the nodes that occur once per block are exactly ``L`` apart, so ``L``
+    is one of the gaps between consecutive equal signatures."""
+    order = np.argsort(signature, kind="stable")
+    same = signature[order][1:] == signature[order][:-1]
+    gaps = (order[1:] - order[:-1])[same]
+    return sorted(int(g) for g in np.unique(gaps) if 0 < g <= longest)
 
 
 def _phase(index: "GraphIndex", first: int, period: int, span: int) -> int:

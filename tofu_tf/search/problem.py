@@ -236,19 +236,18 @@ class ProblemBuilder:
     def _share_blocks(self, run, templates, copy_of, unary, pair_costs, shared) -> None:
         by_template: dict[int, list[tuple[int, int, np.ndarray]]] = {}
         for (u, v), cost in pair_costs.items():
-            b = (u - run.start) // run.period if run.start <= u < run.start + run.period * run.count else -1
+            b = (u - run.start) // run.period if run.start <= u < run.stop else -1
             if b >= 0 and templates[b] == b:
                 by_template.setdefault(b, []).append((u, v, cost))
-        for i, source in copy_of.items():
-            unary[i] = unary[source]
-            shared.add(i)
-            shared.add(source)
         for b, t in enumerate(templates):
             if t == b:
                 continue
-            delta = (b - t) * run.period
-            for u, v, cost in by_template.get(t, ()):
-                pair_costs[u + delta, v + delta] = cost
+            start, source = run.start + b * run.period, run.start + t * run.period
+            unary[start: start + run.period] = unary[source: source + run.period]
+            shared.update(range(start, start + run.period))
+            shared.update(range(source, source + run.period))
+            delta = start - source
+            pair_costs.update({(u + delta, v + delta): cost for u, v, cost in by_template.get(t, ())})
 
     # options --------------------------------------------------------------------
     def _options(self, name: str) -> list[Option]:
