@@ -172,12 +172,17 @@ def memory_table() -> list[str]:
 # --------------------------------------------------------------------------- real Keras models
 
 
+_ANALYSES = {}  # label -> ChainAnalysis of the section-2 Keras models, for the run counts
+
+
 def keras_gpt_stats() -> list[LayerStats]:
     """``layer_stats`` of a GPT-16 (d512, 8 heads, seq 256, vocab 32000), micro-batch 4, Adam."""
     from tofu_tf import models
-    from tofu_tf.pipeline import layer_stats
+    from tofu_tf.pipeline import keras_stats
     model = models.gpt(num_layers=16, d_model=512, num_heads=8, seq_len=256, vocab_size=32000)
-    return layer_stats(model, batch_size=64, loss=LOSS, optimizer="adam", num_microbatches=16)
+    analysis = keras_stats.analyze_model(model, micro_batch=4, loss=LOSS, optimizer="adam")
+    _ANALYSES["GPT-16 d512"] = analysis
+    return list(analysis.stats)
 
 
 def vgg_head(*, image_size=64, widths=(64, 128, 256, 512), head=4096, num_classes=1000):
@@ -198,9 +203,28 @@ def vgg_head(*, image_size=64, widths=(64, 128, 256, 512), head=4096, num_classe
 
 def keras_cnn_stats() -> list[LayerStats]:
     """``layer_stats`` of ``vgg_head()`` at micro-batch 32, Adam."""
-    from tofu_tf.pipeline import layer_stats
-    return layer_stats(vgg_head(), batch_size=512, loss=LOSS, optimizer="adam",
-                       num_microbatches=16)
+    from tofu_tf.pipeline import keras_stats
+    analysis = keras_stats.analyze_model(vgg_head(), micro_batch=32, loss=LOSS, optimizer="adam")
+    _ANALYSES["VGG-style CNN"] = analysis
+    return list(analysis.stats)
+
+
+def planned_runs_table() -> list[str]:
+    """Profiling runs this scheme and mCAP's need, from the plans alone (nothing runs)."""
+    from tofu_tf.pipeline import profile
+    rows = [f"{'model':<20} {'units':>5} {'distinct stages':>15} "
+            + " ".join(f"{f'runs@{p} (mCAP)':>18}" for p in (4, 8))]
+    for label, analysis in _ANALYSES.items():
+        plan = profile.plan_probes(analysis)
+        cells = []
+        for p in (4, 8):
+            runs = len(plan.runs(p))
+            units = len(analysis.units)
+            mcap = profile.mcap_run_count(units, p) if units >= 2 * p - 2 else None
+            cells.append(f"{runs} ({mcap}) {runs / mcap:.2f}x" if mcap else f"{runs} (-)")
+        rows.append(f"{label:<20} {len(analysis.units):>5} {len(plan.probes):>15} "
+                    + " ".join(f"{c:>18}" for c in cells))
+    return rows
 
 
 # --------------------------------------------------------------------------- profiling
@@ -315,17 +339,20 @@ def calibrate() -> None:
 
 
 def regression_rows(validation) -> list[str]:
-    from tofu_tf.pipeline import default_regression
+    """The shipped regression on stages it was not fitted on, and, per model, a
+    regression fitted on that model's own measured stages (what
+    ``recommend_hybrid(profile=True)`` does), with its leave-one-out error."""
+    from tofu_tf.pipeline import MemoryRegression, default_regression
     model = default_regression()
     rows = [f"shipped regression: {model.describe()}"]
-    if validation:
-        predicted = [model.predict(s)
-                     for s in validation]
-        for label in sorted({s.model for s in validation}):
-            pairs = [(p, s.measured_bytes) for p, s in zip(predicted, validation) if s.model == label]
-            mape = statistics.mean(abs(p - m) / m for p, m in pairs)
-            rows.append(f"  on the {len(pairs)} stages of {label} (not fitted on): "
-                        f"MAPE {100 * mape:.1f}%")
+    for label in sorted({s.model for s in validation}):
+        own = [s for s in validation if s.model == label]
+        mape = statistics.mean(abs(model.predict(s) - s.measured_bytes) / s.measured_bytes
+                               for s in own)
+        fitted = MemoryRegression.fit(own)
+        rows.append(f"  {label:<18} shipped: MAPE {100 * mape:5.1f}% on its {len(own)} stages; "
+                    f"fitted on them: fit {100 * fitted.fit_mape:4.1f}%, "
+                    f"leave-one-out {100 * fitted.loo_mape:4.1f}%")
     return rows
 
 
@@ -352,6 +379,9 @@ def main(argv) -> None:
     print()
     print("2. Largest stage peak by method, and how much lower optimal is:")
     print("\n".join(memory_table()))
+    print()
+    print("Profiling runs planned for those models (distinct stages packed one per device):")
+    print("\n".join(planned_runs_table()))
     validation = []
     if not FLAGS.quick:
         print()

@@ -149,7 +149,7 @@ class HybridRecommendation:
     def table(self, top: int = 10) -> str:
         """The top candidates as a table a person reads."""
         goal = ("lowest predicted peak per device" if self.memory_budget_bytes is None else
-                f"fastest within {_mib(self.memory_budget_bytes)} MiB per device")
+                f"fastest within {_mib(self.memory_budget_bytes):.2f} MiB per device")
         lines = [f"Hybrid PP x TP x DP plans for {self.num_devices} devices, global batch "
                  f"{self.batch_size}, {self.schedule.value}; ranked by {goal}",
                  f"memory model: {self.regression.describe()}",
