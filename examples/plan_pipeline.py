@@ -38,7 +38,8 @@ flags.DEFINE_integer("num_microbatches", 8, "Micro-batches per step for the part
 flags.DEFINE_enum("schedule", "1f1b", ["1f1b", "gpipe"], "Pipeline schedule.")
 flags.DEFINE_string("optimizer", "adam", "Keras optimizer name.")
 flags.DEFINE_bool("profile", False, "Measure the statistics by running stages on CPU.")
-flags.DEFINE_integer("memory_budget_mib", None, "Per-device budget: rank the fastest plans that fit.")
+flags.DEFINE_integer("memory_budget_mib", None,
+                     "Per-device budget: rank the fastest plans that fit.")
 flags.DEFINE_integer("top", 8, "Hybrid candidates to print.")
 FLAGS = flags.FLAGS
 

@@ -1,4 +1,4 @@
-"""Tests for tofu_tf.pipeline.keras_stats / graph_stats on small Keras models (TF, 8 virtual CPUs)."""
+"""Tests for tofu_tf.pipeline.keras_stats and graph_stats on small Keras models (TF)."""
 
 import keras
 import pytest

@@ -4,7 +4,9 @@ Floors, from the ground up:
 
 * ``stats`` -- ``LayerStats``, the per-layer figures (analytic or profiled);
 * ``stage_model`` -- the peak of one stage under a ``Schedule`` (1F1B, GPipe);
-* ``partition`` -- exact lexicographic min-max boundaries and the baselines;
+* ``partition`` -- exact lexicographic min-max boundaries and the baselines,
+  searched by ``exact_search`` (bisection, greedy probes, windows) and
+  ``lex_dp`` (the lexicographic DP);
 * ``graph_stats`` -- analytic ``LayerStats`` of a captured training step;
 * ``keras_stats`` -- ``layer_stats(model, ...)``: capture + ``graph_stats``
   (TensorFlow is imported only when it is called);
@@ -38,7 +40,8 @@ from tofu_tf.pipeline.stats import LayerStats, validate_chain
 __all__ = [
     "ChainAnalysis", "HybridCandidate", "HybridRecommendation", "InfeasibleBudgetError",
     "LayerStats", "MemoryRegression", "ScalableChain", "StageSample", "Unit", "chain_stats",
-    "default_regression", "factorizations", "layer_stats", "rank_hybrid", "recommend_hybrid", "Method", "Schedule", "StageCostModel", "StagePlan", "balanced_boundaries",
+    "default_regression", "factorizations", "layer_stats", "rank_hybrid", "recommend_hybrid",
+    "Method", "Schedule", "StageCostModel", "StagePlan", "balanced_boundaries",
     "inflight_microbatches", "partition", "stage_peak_bytes", "uniform_boundaries",
     "validate_chain",
 ]

@@ -79,6 +79,9 @@ _SPLIT_WORK_PER_STAGE = 64
 _COUNT_GREEDY_STEPS = 1 << 15
 # Probe budget of the heuristic bound for non-monotone costs.
 _HEURISTIC_PROBES = 64
+# Bracket width (relative to the bound) below which the bisection probes its
+# lower end once (see _bisect).
+_JUMP_WIDTH = 1e-3
 
 
 def optimal_boundaries(model: StageCostModel) -> tuple[int, ...]:
@@ -514,8 +517,12 @@ def _bisect(form: LinearForm, piece: _Piece, lower: int, max_probes: int | None 
     and raising the bound by d lets each of the other stages absorb about d,
     so the root of the excess is extrapolated (secant of the last two
     failures). Whenever the bracket fails to halve, the next guess halves it.
+    Once the bracket is narrow (``_JUMP_WIDTH`` of the bound), its lower end --
+    a stage cost a failed probe met, the next value the min-max can take -- is
+    probed once: on chains of distinct layers that probe usually ends the
+    search (8192 layers / 1024 stages: 7 probes instead of 11).
     """
-    upper, found, fails, probes = None, [], [], 0
+    upper, found, fails, probes, jumped = None, [], [], 0, None
     guess, width = max(lower, _fluid_estimate(form, piece)), None
     while max_probes is None or probes < max_probes:
         probe = _right_greedy(form, piece, guess, weights)
@@ -529,6 +536,9 @@ def _bisect(form: LinearForm, piece: _Piece, lower: int, max_probes: int | None 
         if upper is not None and lower >= upper:
             break
         guess, width = _next_guess(lower, upper, fails, width, piece.stages)
+        if (upper is not None and jumped != lower and fails
+                and upper - lower <= upper * _JUMP_WIDTH):
+            guess = jumped = lower
     if upper is None:  # only reachable with a probe budget
         probe = _right_greedy(form, piece, _INF - 1)
         upper, found = probe.peak, [probe.starts]

@@ -129,7 +129,8 @@ def chain_stats(graph: ir.Graph, *, layer_names: Sequence[str], model_name: str,
 # --------------------------------------------------------------------------- ops to layers
 
 
-def place_ops(graph: ir.Graph, *, layer_names: Sequence[str], model_name: str) -> dict[str, OpPlace]:
+def place_ops(graph: ir.Graph, *, layer_names: Sequence[str],
+              model_name: str) -> dict[str, OpPlace]:
     """Phase and top-level layer of every op of ``graph`` (see the module docstring)."""
     model_scope = _model_scope(graph, model_name)
     resolve = _scope_resolver(layer_names, suffixed=model_scope != model_name)
@@ -364,7 +365,8 @@ def _transient_bytes(graph: ir.Graph, places, unit_of, saved: frozenset[str]) ->
             continue
         sub = ir.Graph(ops=tuple(ops), tensors=tensors)
         liveness = Liveness(sub)
-        curve = liveness.live_curve(liveness.bytes_array({n: t.num_bytes for n, t in tensors.items()}))
+        sizes = liveness.bytes_array({n: t.num_bytes for n, t in tensors.items()})
+        curve = liveness.live_curve(sizes)
         peaks[unit] = int(curve.max()) if len(curve) else 0
     return peaks
 

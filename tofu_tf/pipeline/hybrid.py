@@ -88,7 +88,8 @@ class ScalableChain:
             names=tuple(s.name for s in low),
             state=tuple(s.state_bytes for s in low),
             params=tuple(s.param_count for s in low),
-            activation=tuple(line(a.activation_bytes, b.activation_bytes) for a, b in zip(low, high)),
+            activation=tuple(line(a.activation_bytes, b.activation_bytes)
+                             for a, b in zip(low, high)),
             transient=tuple(line(a.transient_bytes, b.transient_bytes) for a, b in zip(low, high)),
             compute=tuple(line(a.compute_seconds, b.compute_seconds) for a, b in zip(low, high)),
             boundary=tuple(line(a, b) for a, b in zip(low_boundary, high_boundary)))
@@ -154,7 +155,8 @@ class HybridRecommendation:
                  f"{self.batch_size}, {self.schedule.value}; ranked by {goal}",
                  f"memory model: {self.regression.describe()}",
                  f"{'rank':>4}  {'pp x tp x dp':>12}  {'m':>3}  {'micro':>5}  "
-                 f"{'peak MiB':>10}  {'analytic MiB':>12}  {'step ms':>9}  {'fits':>4}  stages (units)"]
+                 f"{'peak MiB':>10}  {'analytic MiB':>12}  {'step ms':>9}  {'fits':>4}  "
+                 "stages (units)"]
         for rank, c in enumerate(self.candidates[:top], 1):
             fits = "-" if c.fits_budget is None else ("yes" if c.fits_budget else "no")
             lines.append(f"{rank:>4}  {c.shape:>12}  {c.num_microbatches:>3}  "

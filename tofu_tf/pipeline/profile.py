@@ -205,7 +205,8 @@ def measure(analysis: ChainAnalysis, builder: Callable, *, micro_batch: int, los
     stats = []
     for index, layer in enumerate(analysis.stats):
         iso, doubled = peaks[plan.isolated[index]]
-        added = iso if index == 0 else peaks[plan.paired[index]][0] - peaks[plan.isolated[index - 1]][0]
+        added = (iso if index == 0 else
+                 peaks[plan.paired[index]][0] - peaks[plan.isolated[index - 1]][0])
         stats.append(dataclasses.replace(layer, isolated_bytes=iso, added_bytes=max(added, 0),
                                          activation_bytes=max(doubled - iso, 0)))
     units = len(analysis.units)

@@ -19,8 +19,9 @@ How one stage is measured:
 3. One training step runs eagerly in pipeline order: the forward passes of
    ``inflight`` micro-batches, each on its own tape (as a pipeline stage keeps
    them), then their backward passes one by one, each adding in place into
-   gradient accumulators allocated once, then the optimizer update. A first step creates the optimizer slots; then
-   one measured step per in-flight count asked for. Eager, because its frees are deterministic: the same
+   gradient accumulators allocated once, then the optimizer update. A first
+   step creates the optimizer slots; then one measured step per in-flight
+   count asked for. Eager, because its frees are deterministic: the same
    block measured twice agrees to 0.1%, where ``tf.function`` steps varied by
    a few percent from the executor's choice of order.
 4. Peak: ``get_memory_info("CPU:0")["peak"]`` after ``reset_memory_stats``,
