@@ -89,17 +89,24 @@ class StepPricer:
         layer_of = {op.name: op.layer for op in graph.ops}
         layers: dict[str, int] = {}
         consumer, slot, producer, out, nbytes, layer = [], [], [], [], [], []
+        sources: dict[str, tuple | None] = {}      # per source tensor: what every use of it shares
         for i, op in enumerate(graph.ops):
             for j, name in enumerate(op.inputs):
                 source = self.aliases.get(name, name)
-                tensor = graph.tensors.get(source)
-                if tensor is None or tensor.role is ir.Role.RESOURCE or ir.dtype_size(tensor.dtype) == 0:
+                if source not in sources:
+                    tensor = graph.tensors.get(source)
+                    if tensor is None or tensor.role is ir.Role.RESOURCE or ir.dtype_size(tensor.dtype) == 0:
+                        sources[source] = None
+                    else:
+                        made, index = made_by.get(source, (None, 0))
+                        sources[source] = (self._op_index.get(made, self._absent), index, float(tensor.num_bytes),
+                                           layer_of.get(tensor.producer))
+                known = sources[source]
+                if known is None:
                     continue
-                label = op.layer or layer_of.get(tensor.producer) or "(outside layers)"
-                made, index = made_by.get(source, (None, 0))
-                consumer.append(i), slot.append(j), out.append(index), nbytes.append(float(tensor.num_bytes))
-                producer.append(self._op_index.get(made, self._absent))
-                layer.append(layers.setdefault(label, len(layers)))
+                label = op.layer or known[3] or "(outside layers)"
+                consumer.append(i), slot.append(j), producer.append(known[0]), out.append(known[1])
+                nbytes.append(known[2]), layer.append(layers.setdefault(label, len(layers)))
         self._layers = tuple(layers)
         self._use_consumer, self._use_slot = np.asarray(consumer, dtype=np.int64), np.asarray(slot, dtype=np.int64)
         self._use_producer, self._use_out = np.asarray(producer, dtype=np.int64), np.asarray(out, dtype=np.int64)

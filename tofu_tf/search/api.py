@@ -333,11 +333,16 @@ def _to_plan(best: _Candidate, graph: ir.Graph, method: Method, objective: Objec
     op_strategies, var_splits = _merge(best.decisions)
     produced = search.pricer.producer_splits(op_strategies, len(names), graph.tensors)
     tensor_layouts, partial = {}, {}
+    seen: dict[tuple, tuple] = {}      # by the identity of the split objects (alive here): layouts repeat
     for name, tensor in graph.tensors.items():
         if tensor.role is ir.Role.RESOURCE or ir.dtype_size(tensor.dtype) == 0:
             continue
-        tensor_layouts[name] = _layout(produced[name], names, tensor.rank)
-        axes = tuple(n for s, n in zip(produced[name], names) if s.partial is not None)
+        splits = produced[name]
+        key = (tuple(map(id, splits)), tensor.rank)
+        if key not in seen:
+            seen[key] = (_layout(splits, names, tensor.rank),
+                         tuple(n for s, n in zip(splits, names) if s.partial is not None))
+        tensor_layouts[name], axes = seen[key]
         if axes:
             partial[name] = axes
     variable_layouts = {path: _layout(var_splits.get(path, ()), names, len(var.shape))
