@@ -203,12 +203,17 @@ def main() -> None:
                 if key == "gpt12" and n == 8 and not args.no_ilp:
                     race_line(name, n, ilp_race(graph, tofu, n, args.race_limit))
             reference, budget = tofu, None
-            for label, base in (("tofu@dp", baselines["data_parallel"]), ("tofu@mt", baselines["megatron"])):
+            for label, method in (("tofu@dp", "data_parallel"), ("tofu@mt", "megatron")):
+                base = baselines[method]
                 if base is not None:
                     plan, info = run(graph, n, "tofu", memory_budget_bytes=base.peak_memory_bytes)
                     row(name, n, label, plan, info)
                     if plan is not None:
                         reference, budget = plan, base.peak_memory_bytes
+                        verdict(f"{name} N={n}: at {method}'s peak {base.peak_memory_bytes / 2**30:.2f} GiB, tofu step "
+                                f"{plan.step_seconds * 1e3:.3f} ms <= {base.step_seconds * 1e3:.3f} ms",
+                                plan.step_seconds <= base.step_seconds * 1.0001
+                                and plan.peak_memory_bytes <= base.peak_memory_bytes)
             if args.no_ilp or reference is None:
                 pass
             elif len(graph.ops) > args.ilp_max_ops:
