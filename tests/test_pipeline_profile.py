@@ -85,3 +85,15 @@ def test_profiled_mlp_predicts_its_own_stages():
                                        optimizer="adam")
     for predicted, (peak,) in zip(plan.stage_peak_bytes, real):
         assert abs(predicted - peak) / peak < 0.10
+
+
+def test_keras3_sequential_profiles_from_its_config():
+    """No model_fn: the subprocess rebuilds the Keras 3 model from its config, and
+    cuts Sequential stages by replaying the shared layers."""
+    import keras
+    from tofu_tf.pipeline import layer_stats
+    model = models.mlp(input_dim=16, width=32, depth=2, keras=keras)
+    stats = layer_stats(model, batch_size=8, loss=LOSS, optimizer="adam", num_microbatches=2,
+                        profile=True)
+    assert [s.name for s in stats] == ["dense_0", "dense_1", "head"]
+    assert all(s.is_measured and s.isolated_bytes >= s.state_bytes for s in stats)

@@ -145,6 +145,8 @@ def measure_stage(model, job, request) -> tuple[int, ...]:
 
 
 def _stage_model(keras, model, job):
+    if isinstance(model, keras.Sequential):
+        return _sequential_stage(keras, model, job)
     if job.first:
         inputs = list(model.inputs)
     else:
@@ -163,6 +165,23 @@ def _stage_model(keras, model, job):
             f"the stage {job.layers[0]!r} .. {job.layers[-1]!r} also needs layers "
             f"{sorted(inner - set(job.layers))}: stages must be cut where one tensor flows")
     return stage
+
+
+def _sequential_stage(keras, model, job):
+    """The stage as a new Sequential of the model's own layers (shared weights).
+
+    A Sequential rebuilt from its config may have called its layers on more
+    than one symbolic input, so ``layer.input`` does not name the stage's
+    input; the earlier layers are replayed symbolically to find its shape.
+    """
+    source = model.inputs[0]
+    x = keras.Input(shape=tuple(source.shape[1:]), dtype=source.dtype)
+    for layer in model.layers:
+        if layer.name == job.layers[0]:
+            break
+        x = layer(x)
+    head = keras.Input(shape=tuple(x.shape[1:]), dtype=x.dtype)
+    return keras.Sequential([head] + [model.get_layer(name) for name in job.layers])
 
 
 def _nbytes(tf, variable) -> int:
