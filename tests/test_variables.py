@@ -46,3 +46,22 @@ def test_tf_keras_slots_are_requested_as_deferred_zeros():
     assert all(isinstance(value, keras_adapter.DeferredZeros) and value.shape == (16, 4) for value in slots)
     optimizer.apply_gradients([(tf.ones((16, 4)), weight)])  # the slots still work as zeros
     np.testing.assert_allclose(weight.numpy(), np.full((16, 4), 0.9), rtol=1e-5)
+
+
+def test_whole_initial_values_are_scattered_shard_by_shard():
+    """A value with no sharded initializer is built on the host and each device gets its slice."""
+    mesh = _mesh()
+    layout = dtensor.Layout(["batch", "model"], mesh)
+    full = np.arange(4 * 8, dtype=np.float32).reshape(4, 8)
+    deferred = variables_lib.DeferredVariable(
+        initial_value=lambda: tf.constant(full), shape=tf.TensorShape((4, 8)), dtype=tf.float32,
+        name="table", trainable=True, extra_kwargs={})
+    variable = variables_lib.materialize(deferred, layout)
+    shards = dtensor.unpack(variable.read_value())
+    for shard, location in zip(shards, mesh.local_device_locations()):
+        rows, cols = location["batch"] * 2, location["model"] * 2
+        np.testing.assert_array_equal(shard.numpy(), full[rows:rows + 2, cols:cols + 2])
+    np.testing.assert_array_equal(variable.numpy(), full)
+    moved = variables_lib.rehome(variable, dtensor.Layout(["model", "batch"], mesh))
+    assert moved is variable and [tuple(s.shape) for s in dtensor.unpack(moved.read_value())] == [(1, 4)] * 8
+    np.testing.assert_array_equal(moved.numpy(), full)

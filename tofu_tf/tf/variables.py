@@ -100,16 +100,35 @@ def gather_to_host(value, layout: dtensor.Layout) -> np.ndarray:
     if layout.is_fully_replicated():
         return dtensor.unpack(value)[0].numpy()
     shards = dtensor.unpack(value)
-    locations = layout.mesh.local_device_locations()
     out = np.empty(value.shape, dtype=value.dtype.as_numpy_dtype)
-    for shard, location in zip(shards, locations):
-        index = []
-        for dim, axis in enumerate(layout.sharding_specs):
-            size = shard.shape[dim]
-            start = location[axis] * size if axis != dtensor.UNSHARDED else 0
-            index.append(slice(start, start + size))
-        out[tuple(index)] = shard.numpy()
+    for shard, location in zip(shards, layout.mesh.local_device_locations()):
+        out[_shard_index(layout, location, shard.shape)] = shard.numpy()
     return out
+
+
+def scatter_from_host(value, layout: dtensor.Layout) -> tf.Tensor:
+    """Lay a full host value out by ``layout``: each device receives only its shard.
+
+    The inverse of ``gather_to_host``. ``copy_to_mesh`` followed by a relayout
+    would first put a full copy on every device of the mesh.
+    """
+    value = np.asarray(value)
+    local_shape = layout.local_shape_from_global_shape(value.shape)
+    shards = []
+    for device, location in zip(layout.mesh.local_devices(), layout.mesh.local_device_locations()):
+        with tf.device(device):
+            shards.append(tf.constant(value[_shard_index(layout, location, local_shape)]))
+    return dtensor.pack(shards, layout)
+
+
+def _shard_index(layout: dtensor.Layout, location: dict, local_shape) -> tuple:
+    """The slice of the full value that the device at mesh ``location`` holds."""
+    index = []
+    for dim, axis in enumerate(layout.sharding_specs):
+        size = local_shape[dim]
+        start = location[axis] * size if axis != dtensor.UNSHARDED else 0
+        index.append(slice(start, start + size))
+    return tuple(index)
 
 
 class DeferredVariable(resource_variable_ops.UninitializedVariable):
@@ -177,11 +196,11 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout) -> TofuVaria
         if not layout.is_fully_replicated() and _takes_layout(initial_value):
             return _seeded(initial_value)(layout=layout)
         if not layout.is_fully_replicated() and shape.num_elements() > _WHOLE_VALUE_LOG_ELEMENTS:
-            logging.info("building %s whole before sharding it (its initializer takes no layout)", variable.name)
-        value = initial_value() if callable(initial_value) else initial_value
-        return dtensor.relayout(dtensor.copy_to_mesh(
-            tf.convert_to_tensor(value, dtype=dtype),
-            dtensor.Layout.replicated(layout.mesh, rank=len(shape))), layout)
+            logging.info("building %s whole on the host before sharding it (its initializer takes no layout)",
+                         variable.name)
+        with tf.device(_HOST):
+            value = tf.convert_to_tensor(initial_value() if callable(initial_value) else initial_value, dtype=dtype)
+        return scatter_from_host(value.numpy(), layout)
 
     fresh = TofuVariable(sharded_initial_value, dtype=dtype, name=_base_name(variable.name),
                          trainable=variable.trainable, layout=layout)
@@ -208,8 +227,7 @@ def rehome(variable: TofuVariable, layout: dtensor.Layout) -> TofuVariable:
     value = gather_to_host(variable.read_value(), variable.layout)
 
     def on_new_layout():
-        whole = dtensor.copy_to_mesh(tf.constant(value), dtensor.Layout.replicated(layout.mesh, rank=value.ndim))
-        return dtensor.relayout(whole, layout)
+        return scatter_from_host(value, layout)
 
     fresh = TofuVariable(on_new_layout, dtype=variable.dtype, name=_base_name(variable.name),
                          trainable=variable.trainable, layout=layout)
@@ -231,6 +249,9 @@ def _become(variable, fresh: TofuVariable) -> TofuVariable:
 
 
 _WHOLE_VALUE_LOG_ELEMENTS = 1 << 16
+# Where a value with no sharded initializer is built whole: host memory, not
+# the first accelerator.
+_HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
 def _seeded(initial_value: functools.partial) -> functools.partial:
