@@ -6,8 +6,9 @@ MirroredStrategy: every device holds the weights, gradients and Adam slots) or u
 TofuStrategy (no layout written). A watchdog samples the child's resident memory and
 kills it when it passes --memory_gib, so "fits" means: built, planned, initialized and
 one full training step finished without the process ever exceeding the cap (or being
-refused memory). The search per method doubles the width until a size fails, then
-bisects between the last fit and the first failure in --granularity steps.
+refused memory, or TofuStrategy's planner finding no plan within the profile's
+per-device memory). The search per method doubles the width until a size fails, then
+bisects between the last fit and the first failure until they are within --precision.
 
 The default cap, 22 GiB, is this 24 GiB machine less what the OS and the parent keep;
 run it when nothing else holds memory. A smaller cap (e.g. --memory_gib=10) gives a
@@ -35,7 +36,7 @@ from absl import app, flags, logging  # noqa: E402
 flags.DEFINE_float("memory_gib", 22.0, "Resident-memory cap for one training process, GiB.")
 flags.DEFINE_list("methods", ["data_parallel", "tofu"], "Methods to size.")
 flags.DEFINE_integer("start_width", 2048, "First width tried (doubled until a size fails).")
-flags.DEFINE_integer("granularity", 512, "Bisection stops when fit and fail widths are this close.")
+flags.DEFINE_float("precision", 0.1, "Bisection stops when the failing width is within this fraction of the fitting one.")
 flags.DEFINE_integer("depth", 4, "Hidden Dense layers.")
 flags.DEFINE_integer("batch_size", 16, "Global batch size.")
 flags.DEFINE_integer("run_width", None, "Internal: train one step at this width and print JSON.")
@@ -44,8 +45,12 @@ FLAGS = flags.FLAGS
 
 NUM_DEVICES = 8
 POLL_SECONDS = 0.05
+WIDTH_STEP = 256  # bisection widths are multiples of this (and of the 8 devices)
 # What a child that was refused memory prints; any other failure stops the bench.
-OUT_OF_MEMORY_SIGNS = ("ResourceExhaustedError", "MemoryError", "std::bad_alloc", "OOM when allocating")
+# InfeasibleBudgetError: TofuStrategy's planner found no plan within the hardware profile's
+# per-device memory (it refuses before allocating).
+OUT_OF_MEMORY_SIGNS = ("ResourceExhaustedError", "MemoryError", "std::bad_alloc", "OOM when allocating",
+                       "InfeasibleBudgetError")
 
 
 def mlp_parameters(width: int, depth: int) -> int:
@@ -170,8 +175,8 @@ def largest_fit(method: str, cap_bytes: int) -> tuple[Trial | None, Trial | None
         else:
             fail = trial
     low = fit.width if fit else 0
-    while fail.width - low > FLAGS.granularity:
-        middle = (low + fail.width) // 2 // FLAGS.granularity * FLAGS.granularity
+    while fail.width > low * (1 + FLAGS.precision):
+        middle = (low + fail.width) // 2 // WIDTH_STEP * WIDTH_STEP
         if middle <= low:
             break
         trial = attempt(middle)
