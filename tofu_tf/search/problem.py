@@ -181,9 +181,7 @@ class ProblemBuilder:
                 unary.append(unary[source])     # replaced after the template's internal uses
                 memory.append(memory[source])
         pair_costs: dict[tuple[int, int], np.ndarray] = {}
-        template_blocks = set(templates or ())
-        internal = [b for b in template_blocks]
-        for b in internal:                       # 1. inside each template block
+        for b in sorted(set(templates or ())):   # 1. inside each template block
             for tie in index.tie_edges_in_block.get(b, ()):
                 self._add_tie(tie, nodes, unary, pair_costs, set())
             for use in index.uses_in_block.get(b, ()):
