@@ -94,9 +94,8 @@ def ilp_race(graph, tofu_plan, n, limit_s):
     from tofu_tf.cost.hardware import H100_NVLINK
     from tofu_tf.mesh import MeshSpec
     from tofu_tf.search import ilp, tofu_dp
-    from tofu_tf.search.api import _decision
     from tofu_tf.search.coarsen import GraphIndex
-    from tofu_tf.search.problem import ProblemBuilder
+    from tofu_tf.search.problem import AxisDecision, ProblemBuilder
     from tofu_tf.search.targets import as_target, pinned_variables, restrict_provider
     from tofu_tf.semantics import strategies
     sizes = tuple(tofu_plan.mesh_shape.values())
@@ -126,7 +125,7 @@ def ilp_race(graph, tofu_plan, n, limit_s):
         reached_all = reached_all and reached is not None
         ilp_s += reached if reached is not None else elapsed
         axes.append((dp.objective, found.objective))
-        prior.append(_decision(problem, dp, size))
+        prior.append(AxisDecision.of(problem, dp.choice, size))
     return {"mesh": sizes, "tofu_s": same.search_seconds, "setup_s": setup, "dp_s": dp_s, "ilp_s": ilp_s,
             "reached": reached_all, "axes": axes}
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from tests.test_search_support import GraphBuilder, mlp_graph, stub_strategies
 
 from tofu_tf.cost.hardware import H100_NVLINK
-from tofu_tf.search import ilp, tofu_dp
+from tofu_tf.search import elimination, ilp, tofu_dp
 from tofu_tf.search.coarsen import GraphIndex
 from tofu_tf.search.problem import AxisProblem, Edge, Node, Option, ProblemBuilder
 
@@ -40,7 +40,17 @@ def test_dp_equals_brute_force_on_random_problems(problem, lam):
     solution = tofu_dp.solve_axis(problem, lam)
     assert solution.exact
     assert abs(solution.objective - problem.objective(solution.choice, lam)) < 1e-9
-    assert abs(solution.objective - _brute_force(problem, lam)) < 1e-9
+    best = _brute_force(problem, lam)
+    assert abs(solution.objective - best) < 1e-9
+    cuts = tofu_dp.solve_by_cuts(problem, lam, max_states=10_000)      # the forward-order reference
+    assert cuts.exact and abs(cuts.objective - best) < 1e-9
+
+
+def test_too_wide_elimination_falls_back_to_the_cut_dp():
+    problem = ProblemBuilder(GraphIndex(mlp_graph(), stub_strategies), (), 4, H100_NVLINK.intra_node).build()
+    assert elimination.solve(problem, max_entries=1) is None
+    fallback = tofu_dp.solve_axis(problem, max_entries=1, max_states=10_000)
+    assert fallback.exact and abs(fallback.objective - tofu_dp.solve_axis(problem).objective) < 1e-15
 
 
 @st.composite

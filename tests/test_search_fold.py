@@ -9,9 +9,8 @@ from tests.test_search_support import mlp_graph, stub_strategies
 
 from tofu_tf.cost.hardware import H100_NVLINK
 from tofu_tf.search import elimination, tofu_dp
-from tofu_tf.search.api import _decision
 from tofu_tf.search.coarsen import GraphIndex
-from tofu_tf.search.problem import AxisProblem, Blocks, Edge, Node, Option, ProblemBuilder
+from tofu_tf.search.problem import AxisDecision, AxisProblem, Blocks, Edge, Node, Option, ProblemBuilder
 
 LINK = H100_NVLINK.intra_node
 
@@ -52,8 +51,8 @@ def test_folded_problems_solve_to_the_unfolded_optimum(sizes):
             assert pp.objective(sf.choice, lam) == pytest.approx(sf.objective, rel=1e-12)
         result = elimination.solve(pf, 0.0)
         assert result.folded_blocks >= 1
-        prior_f.append(_decision(pf, sf, n))
-        prior_p.append(_decision(pp, sf, n))
+        prior_f.append(AxisDecision.of(pf, sf.choice, n))
+        prior_p.append(AxisDecision.of(pp, sf.choice, n))
 
 
 def test_a_block_with_different_costs_is_not_folded():
@@ -149,16 +148,16 @@ def test_captured_gpt_plan_cost_equals_the_search_on_one_axis_and_never_less_on_
     on more axes it can only overestimate the communication, never the compute."""
     from tofu_tf.search import api
     seen = []
-    real = api._decision
+    real = AxisDecision.of
 
-    def spy(problem, solution, size):
-        seen.append((problem.comm(solution.choice), problem.compute(solution.choice)))
-        return real(problem, solution, size)
-    api._decision = spy
+    def spy(problem, choice, size):
+        seen.append((problem.comm(choice), problem.compute(choice)))
+        return real(problem, choice, size)
+    api.AxisDecision.of = spy
     try:
         plan = api.plan_graph(tiny_gpt, num_devices=8, mesh_shape=sizes, target="ideal")
     finally:
-        api._decision = real
+        api.AxisDecision.of = real
     comm, compute = sum(c for c, _ in seen), seen[-1][1]
     assert plan.compute_seconds == pytest.approx(compute, rel=1e-12)
     if len(sizes) == 1:

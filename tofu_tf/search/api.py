@@ -190,7 +190,7 @@ class _Search:
                 solution = self.solver(problem, lam)
                 self.solves += 1
                 seconds = problem.time(solution.choice)
-                self._prefixes[key] = _Solved(solved.decisions + (_decision(problem, solution, mesh.sizes[k]),),
+                self._prefixes[key] = _Solved(solved.decisions + (AxisDecision.of(problem, solution.choice, mesh.sizes[k]),),
                                               solved.exact and solution.exact,
                                               seconds if seconds < TIE_PENALTY else 0.0)
             solved = self._prefixes[key]
@@ -271,20 +271,6 @@ class _Search:
             f"gradients {format_bytes(memory.gradient_bytes_at_peak)}, activations "
             f"{format_bytes(memory.activation_bytes_at_peak)}). Largest contributors: {top}. "
             "Use more devices, a smaller batch, or a larger budget.")
-
-
-def _decision(problem: AxisProblem, solution: tofu_dp.AxisSolution, size: int) -> AxisDecision:
-    strategies, var_splits = {}, {}
-    for node, option_index in zip(problem.nodes, solution.choice):
-        option = node.options[option_index]
-        strategies.update(zip(node.members, option.strategies))
-        if option.var_split is not None:
-            var_splits.update(dict.fromkeys(node.paths, option.var_split))
-    blocks = problem.blocks
-    keys = None if blocks is None else tuple(
-        (template, solution.choice[start: start + blocks.period])
-        for template, start in zip(blocks.templates, blocks.starts()))
-    return AxisDecision(size, strategies, var_splits, keys)
 
 
 def _merge(decisions: Sequence[AxisDecision]):

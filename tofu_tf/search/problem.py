@@ -53,6 +53,22 @@ class AxisDecision:
     var_splits: Mapping[str, TensorSplit]
     block_keys: tuple | None = None   # per repeated block: (template, options chosen); equal keys, equal decisions
 
+    @classmethod
+    def of(cls, problem: "AxisProblem", choice: Sequence[int], size: int) -> "AxisDecision":
+        """The decision ``choice`` (an option per node of ``problem``) makes. Every axis lists
+        the ops in the problem's node order, so plans can zip the per-axis tables."""
+        strategies, var_splits = {}, {}
+        for node, option_index in zip(problem.nodes, choice):
+            option = node.options[option_index]
+            strategies.update(zip(node.members, option.strategies))
+            if option.var_split is not None:
+                var_splits.update(dict.fromkeys(node.paths, option.var_split))
+        blocks = problem.blocks
+        keys = None if blocks is None else tuple(
+            (template, tuple(choice[start: start + blocks.period]))
+            for template, start in zip(blocks.templates, blocks.starts()))
+        return cls(size, strategies, var_splits, keys)
+
 
 @dataclasses.dataclass(frozen=True)
 class Option:
