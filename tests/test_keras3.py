@@ -120,3 +120,41 @@ def test_callbacks_and_weight_files(tmp_path):
     model.load_weights(str(tmp_path / "final.weights.h5"))
     for got, want in zip(model.get_weights(), trained_weights):
         np.testing.assert_array_equal(got, want)
+
+
+class CountingInitializer(keras.initializers.Initializer):
+    """Ones, counting the full-size values it is asked for."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, shape, dtype=None):
+        self.calls += 1
+        return keras.ops.ones(shape, dtype=dtype)
+
+
+def test_keras3_initializers_run_once_when_the_plan_is_adopted():
+    """Building under the scope computes no initial value; adopting the plan computes
+    each once, on the host, and scatters it (the weight is never whole on a device)."""
+    initializer = CountingInitializer()
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, kernel_initializer=initializer,
+                                                                        name="wide")])
+        model.compile(optimizer="sgd", loss="mse")
+    assert initializer.calls == 0
+    strategy.plan_model(model, batch_size=8)
+    assert initializer.calls == 1
+    np.testing.assert_array_equal(model.layers[0].kernel.numpy(), np.ones((8, 16), np.float32))
+
+
+def test_keras3_weights_with_a_given_plan_are_scattered():
+    strategy = TofuStrategy(8, plan=h.HandPlan(mesh_shape={"batch": 2, "model": 4},
+                                               variable_layouts={"wide/kernel": (None, "model")},
+                                               input_layouts={"x": ("batch",)}))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, kernel_initializer="ones",
+                                                                        name="wide")])
+    shards = tf.experimental.dtensor.unpack(model.layers[0].kernel.value.read_value())
+    assert [tuple(s.shape) for s in shards] == [(8, 4)] * 8
+    np.testing.assert_array_equal(model.layers[0].kernel.numpy(), np.ones((8, 16), np.float32))

@@ -199,6 +199,25 @@ def _defer_default_zeros(reference, args, kwargs) -> None:
     kwargs["initial_value"] = DeferredZeros(reference.shape if shape is None else shape, dtype)
 
 
+def keras3_variable_of(initial_value):
+    """The Keras 3 variable that ``initial_value`` initializes, or None.
+
+    Keras 3 (TensorFlow backend) creates its ``tf.Variable`` from
+    ``lambda: initializer(self._shape, dtype=self._dtype)``; the closure holds
+    the Keras variable, which knows shape and dtype without running the
+    initializer (a full-size value) just to learn them.
+    """
+    for cell in getattr(initial_value, "__closure__", None) or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if type(contents).__module__.startswith("keras.") and hasattr(contents, "_shape") \
+                and hasattr(contents, "_dtype"):
+            return contents
+    return None
+
+
 def optimizer_variables(optimizer) -> list[tf.Variable]:
     return [tf_variable(v) for v in optimizer.variables]
 
