@@ -7,6 +7,8 @@ setup(
     version="0.1.0",
     description="Automatic partitioning of TensorFlow/Keras training steps across devices (Tofu on DTensor)",
     packages=find_packages(include=["tofu_tf", "tofu_tf.*", "strategies", "strategies.*"]),
+    # The pipeline memory regression's measured samples.
+    package_data={"tofu_tf.pipeline": ["data/*.json"]},
     python_requires=">=3.10,<3.13",
     install_requires=[
         # TensorFlow 2.21 (the wheel ships both CPU and CUDA kernels). Do not add
@@ -21,5 +23,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100"],
+        # bench/planner.py's ILP race reads HiGHS's improving solutions through highspy
+        # (without it the ILP runs through scipy.optimize.milp, with no timeline).
+        "bench": ["highspy>=1.7"],
     },
 )
