@@ -22,9 +22,9 @@ setup(
         "scipy>=1.11",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100"],
-        # bench/planner.py's ILP race reads HiGHS's improving solutions through highspy
-        # (without it the ILP runs through scipy.optimize.milp, with no timeline).
+        # highspy: the ILP reference reads HiGHS's improving solutions through it (tests
+        # cover that path and the scipy.optimize.milp fallback); bench/planner.py's ILP race too.
+        "test": ["pytest>=8", "hypothesis>=6.100", "highspy>=1.7"],
         "bench": ["highspy>=1.7"],
     },
 )
