@@ -465,9 +465,9 @@ def _initial_shape(initial_value, shape):
     inner = getattr(initial_value, "shape", None)
     if inner is not None:
         return tf.TensorShape(inner)
-    keras3_variable = keras_adapter.keras3_variable_of(initial_value)
-    if keras3_variable is not None:
-        return tf.TensorShape(keras3_variable._shape)  # pylint: disable=protected-access
+    keras3 = keras_adapter.keras3_shape_and_dtype(initial_value)
+    if keras3 is not None:
+        return keras3[0]
     if callable(initial_value):
         logging.warning("TofuStrategy: evaluating an initializer of unknown shape to learn its shape")
         return tf.convert_to_tensor(initial_value()).shape
@@ -482,7 +482,7 @@ def _initial_dtype(initial_value):
     dtype = getattr(initial_value, "dtype", None)
     if dtype is not None:
         return tf.as_dtype(dtype)
-    keras3_variable = keras_adapter.keras3_variable_of(initial_value)
-    if keras3_variable is not None:
-        return tf.as_dtype(keras3_variable._dtype)  # pylint: disable=protected-access
+    keras3 = keras_adapter.keras3_shape_and_dtype(initial_value)
+    if keras3 is not None:
+        return keras3[1]
     return tf.convert_to_tensor(initial_value() if callable(initial_value) else initial_value).dtype

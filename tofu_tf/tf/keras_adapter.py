@@ -199,8 +199,8 @@ def _defer_default_zeros(reference, args, kwargs) -> None:
     kwargs["initial_value"] = DeferredZeros(reference.shape if shape is None else shape, dtype)
 
 
-def keras3_variable_of(initial_value):
-    """The Keras 3 variable that ``initial_value`` initializes, or None.
+def keras3_shape_and_dtype(initial_value) -> tuple[tf.TensorShape, tf.DType] | None:
+    """Shape and dtype of the Keras 3 variable that ``initial_value`` initializes, or None.
 
     Keras 3 (TensorFlow backend) creates its ``tf.Variable`` from
     ``lambda: initializer(self._shape, dtype=self._dtype)``; the closure holds
@@ -214,7 +214,7 @@ def keras3_variable_of(initial_value):
             continue
         if type(contents).__module__.startswith("keras.") and hasattr(contents, "_shape") \
                 and hasattr(contents, "_dtype"):
-            return contents
+            return tf.TensorShape(contents._shape), tf.as_dtype(contents._dtype)  # pylint: disable=protected-access
     return None
 
 

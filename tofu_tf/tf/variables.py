@@ -114,10 +114,26 @@ def scatter_from_host(value, layout: dtensor.Layout) -> tf.Tensor:
     """
     value = np.asarray(value)
     local_shape = layout.local_shape_from_global_shape(value.shape)
+    return _pack_per_device(layout, lambda location: tf.constant(value[_shard_index(layout, location, local_shape)]))
+
+
+def sharded_zeros(shape, dtype, layout: dtensor.Layout) -> tf.Tensor:
+    """Zeros laid out by ``layout``, each device allocating only its own shard.
+
+    An optimizer slot starts here. ``dtensor.call_with_layout(tf.zeros, ...)``
+    gives the same value but holds two slot-sized buffers at its peak (measured
+    on 8 virtual CPUs); packing per-device zeros holds one.
+    """
+    local_shape = layout.local_shape_from_global_shape(tuple(shape))
+    return _pack_per_device(layout, lambda location: tf.zeros(local_shape, dtype))
+
+
+def _pack_per_device(layout: dtensor.Layout, make_shard) -> tf.Tensor:
+    """A DTensor whose shard on each device is ``make_shard(location)``, built on that device."""
     shards = []
     for device, location in zip(layout.mesh.local_devices(), layout.mesh.local_device_locations()):
         with tf.device(device):
-            shards.append(tf.constant(value[_shard_index(layout, location, local_shape)]))
+            shards.append(make_shard(location))
     return dtensor.pack(shards, layout)
 
 
@@ -205,21 +221,6 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout) -> TofuVaria
     fresh = TofuVariable(sharded_initial_value, dtype=dtype, name=_base_name(variable.name),
                          trainable=variable.trainable, layout=layout)
     return _become(variable, fresh)
-
-
-def sharded_zeros(shape, dtype, layout: dtensor.Layout) -> tf.Tensor:
-    """Zeros laid out by ``layout``, each device allocating only its own shard.
-
-    An optimizer slot starts here. ``dtensor.call_with_layout(tf.zeros, ...)``
-    gives the same value but holds two slot-sized buffers at its peak (measured
-    on 8 virtual CPUs); packing per-device zeros holds one.
-    """
-    local_shape = layout.local_shape_from_global_shape(tuple(shape))
-    shards = []
-    for device in layout.mesh.local_devices():
-        with tf.device(device):
-            shards.append(tf.zeros(local_shape, dtype))
-    return dtensor.pack(shards, layout)
 
 
 def rehome(variable: TofuVariable, layout: dtensor.Layout) -> TofuVariable:
