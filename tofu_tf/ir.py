@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import json
 import math
+import types
 from collections import Counter
 from typing import Mapping
 
@@ -37,6 +38,11 @@ _DTYPE_BYTES = {
 def dtype_size(dtype: str) -> int:
     """Bytes per element of ``dtype`` (a TF dtype name); 0 for handles."""
     return _DTYPE_BYTES.get(dtype, 0)
+
+
+# The same table, read-only, for loops over every tensor of a graph (``.get(dtype, 0)``
+# without a function call per tensor).
+DTYPE_BYTES: Mapping[str, int] = types.MappingProxyType(_DTYPE_BYTES)
 
 
 class Role(enum.Enum):

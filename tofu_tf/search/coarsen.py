@@ -48,7 +48,7 @@ block and shares it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -72,6 +72,12 @@ def has_bytes(tensor: ir.Tensor) -> bool:
     return tensor.role is not ir.Role.RESOURCE and ir.dtype_size(tensor.dtype) > 0
 
 
+def tensors_with_bytes(graph: ir.Graph) -> frozenset[str]:
+    """The names of the tensors ``has_bytes`` holds for (one pass; the index asks per op input)."""
+    resource, sizes = ir.Role.RESOURCE, ir.DTYPE_BYTES
+    return frozenset(name for name, t in graph.tensors.items() if t.role is not resource and sizes.get(t.dtype, 0) > 0)
+
+
 def split_of(tensor: ir.Tensor, layout: TensorSplit) -> TensorSplit:
     """A variable-shaped tensor follows the layout; a scalar stays replicated."""
     return layout if tensor.rank else REPLICATED
@@ -90,13 +96,13 @@ class VarGroup:
     folded: tuple[str, ...]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Use:
+class Use(NamedTuple):
     """Input ``j`` of op ``consumer`` reads ``source`` (made by another node's op).
 
     Positions are in node order; ``*_member`` index the op in its node's
     ``members``. ``tie`` is (forward node, output) when ``source`` is a tied
-    gradient (the use is then priced from the forward node's option)."""
+    gradient (the use is then priced from the forward node's option).
+    (A named tuple: a graph has tens of thousands of uses, made once per graph.)"""
 
     consumer: str
     j: int
@@ -109,8 +115,7 @@ class Use:
     tie: tuple[int, int] | None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class TieEdge:
+class TieEdge(NamedTuple):
     """Gradient ``source`` (output ``out_index`` of a member of ``producer_node``) must
     be made as output ``k`` of ``forward_node``'s option says."""
 
@@ -136,6 +141,7 @@ class GraphIndex:
         self.position = {op.name: i for i, op in enumerate(graph.ops)}
         self.aliases = alias_map(graph)
         self.alias_ops = {op.name for op in graph.ops if op.type in ALIAS_OPS}
+        self._with_bytes = tensors_with_bytes(graph)
         self.free_ops = self._free_ops()
         self.groups, self.group_of_op = self._var_groups()
         self.input_ops = tuple(op.name for op in graph.ops if op.type in _INPUT_OPS and op.outputs)
@@ -143,9 +149,11 @@ class GraphIndex:
             op.name for op in graph.ops if op.type in _READ_OPS and op.name not in self.group_of_op
             and op.outputs and op.outputs[0] in graph.tensors and graph.tensors[op.outputs[0]].rank == 0)
         decided = self.free_ops | self.alias_ops | set(self.group_of_op) | set(self.input_ops) | self.scalar_reads
-        self.plain_ops = tuple(op.name for op in graph.ops
-                               if op.name not in decided and self._byte_tensors(op))
+        with_bytes = self._with_bytes
+        self.plain_ops = tuple(op.name for op in graph.ops if op.name not in decided and not (
+            with_bytes.isdisjoint(op.inputs) and with_bytes.isdisjoint(op.outputs)))
         self._plain_set = frozenset(self.plain_ops)
+        self._owner = self._owners()
         self.uses = self._uses()
         self.backward, self.anchor = self._anchors()
         self._order = self._node_order()
@@ -173,16 +181,16 @@ class GraphIndex:
         return self.aliases.get(name, name)
 
     def _byte_tensors(self, op: ir.Op) -> list[str]:
-        return [t for t in (*op.inputs, *op.outputs) if t in self.graph.tensors and has_bytes(self.graph.tensors[t])]
+        with_bytes = self._with_bytes
+        return [t for t in (*op.inputs, *op.outputs) if t in with_bytes]
 
     def _free_ops(self) -> set[str]:
         free: set[str] = set()
-        tensors = self.graph.tensors
+        tensors, with_bytes = self.graph.tensors, self._with_bytes
         for op in self.graph.ops:
             if op.type in _NEVER_FREE or op.type in ALIAS_OPS or op.body is not None:
                 continue
-            producers = [tensors[t].producer for t in op.inputs if t in tensors and has_bytes(tensors[t])]
-            if all(p in free for p in producers):
+            if all(tensors[t].producer in free for t in op.inputs if t in with_bytes):
                 free.add(op.name)
         return free
 
@@ -271,28 +279,32 @@ class GraphIndex:
         """The decision node an op belongs to (None for free and alias ops, and reads of
         scalar variables: a rank-0 value is whole everywhere, and turning a whole value into
         any layout a consumer can ask of a scalar (whole, or partial) is free)."""
-        if op_name in self.group_of_op:
-            return "var:" + self.group_of_op[op_name]
-        if op_name in self.free_ops or op_name in self.alias_ops or op_name in self.scalar_reads \
-                or op_name not in self.ops:
-            return None
-        return op_name
+        return self._owner.get(op_name)
+
+    def _owners(self) -> dict[str, str]:
+        """``owner`` of every op that has one (looked up per use: tens of thousands of times)."""
+        out = {}
+        skip = self.free_ops | self.alias_ops | self.scalar_reads
+        group_of_op = self.group_of_op
+        for op in self.graph.ops:
+            name = op.name
+            if name in group_of_op:
+                out[name] = "var:" + group_of_op[name]
+            elif name not in skip:
+                out[name] = name
+        return out
 
     def _uses(self) -> tuple[tuple[str, int, str], ...]:
         """Every (consumer op, input index, source tensor) that moves bytes between nodes."""
         out = []
-        tensors = self.graph.tensors
+        tensors, aliases, owner, with_bytes = self.graph.tensors, self.aliases, self._owner, self._with_bytes
         for op in self.graph.ops:
-            if self.owner(op.name) is None:
+            if op.name not in owner:
                 continue
             for j, name in enumerate(op.inputs):
-                source = self.source(name)
-                tensor = tensors.get(source)
-                if tensor is None or not has_bytes(tensor) or tensor.producer not in self.ops:
-                    continue
-                if self.owner(tensor.producer) is None:
-                    continue
-                out.append((op.name, j, source))
+                source = aliases.get(name, name)
+                if source in with_bytes and tensors[source].producer in owner:
+                    out.append((op.name, j, source))
         return tuple(out)
 
     def _anchors(self) -> tuple[frozenset[str], dict[str, float]]:
@@ -433,24 +445,24 @@ class GraphIndex:
         return members, paths
 
     def _use_table(self) -> tuple[tuple[Use, ...], tuple[TieEdge, ...]]:
-        order = self.order_of
-        member_at = {(m, node): i for node, ms in self.members.items() for i, m in enumerate(ms)}
+        order, owner, ops, tensors, ties_of = self.order_of, self._owner, self.ops, self.graph.tensors, self.ties
+        member_at = {m: i for ms in self.members.values() for i, m in enumerate(ms)}   # an op is in one node
         uses, ties, tied_to = [], [], {}
         for consumer, j, source in self.uses:
-            producer = self.graph.tensors[source].producer
-            cnode, pnode = self.owner(consumer), self.owner(producer)
-            out_index = self.ops[producer].outputs.index(source)
-            tie = self.ties.get((consumer, j))
+            producer = tensors[source].producer
+            pnode = order[owner[producer]]
+            out_index = ops[producer].outputs.index(source)
+            tie = ties_of.get((consumer, j))
             tie_pos = None
             if tie is not None:
                 forward, k = tie
                 if source not in tied_to:        # one tie edge per gradient: its first tied use's
                     tied_to[source] = tie
-                    ties.append(TieEdge(source, order[pnode], member_at[producer, pnode], out_index, order[forward], k))
+                    ties.append(TieEdge(source, pnode, member_at[producer], out_index, order[forward], k))
                 if tied_to[source] == tie:       # a use tied elsewhere is priced from the producer itself
                     tie_pos = (order[forward], k)
-            uses.append(Use(consumer, j, source, order[cnode], member_at[consumer, cnode], order[pnode],
-                            member_at[producer, pnode], out_index, tie_pos))
+            uses.append(Use(consumer, j, source, order[owner[consumer]], member_at[consumer], pnode,
+                            member_at[producer], out_index, tie_pos))
         return tuple(uses), tuple(ties)
 
     def _assign_blocks(self) -> None:
@@ -476,18 +488,22 @@ class GraphIndex:
                 self.tie_edges_in_block.setdefault(block, []).append(tie)
 
     def _consistent(self, items, anchor, shape, ends) -> list[int]:
-        """Per item, its block if it lies inside one and every block has it alike, else -1."""
+        """Per item, its block if it lies inside one and every block has it alike, else -1.
+        (``Run.common_block`` of ``ends(item)``, written out: this runs once per use.)"""
         run = self.run
+        start, period, stop = run.start, run.period, run.stop
         seen: dict[tuple, dict[int, tuple]] = {}
         where = []
         for item in items:
-            block = run.common_block(ends(item))
-            key = None
-            if block >= 0:
-                base = run.start + block * run.period
-                form = shape(item, base)
-                key = (anchor(item) - base, form[:2])
-                seen.setdefault(key, {})[block] = form
+            positions = ends(item)
+            block, key = -1, None
+            if start <= positions[0] < stop:
+                base = positions[0] - (positions[0] - start) % period
+                if all(base <= p < base + period for p in positions[1:]):
+                    block = (base - start) // period
+                    form = shape(item, base)
+                    key = (anchor(item) - base, form[:2])
+                    seen.setdefault(key, {})[block] = form
             where.append((block, key))
         alike = {key for key, per in seen.items() if len(per) == run.count and len(set(per.values())) == 1}
         return [block if block >= 0 and key in alike else -1 for block, key in where]
