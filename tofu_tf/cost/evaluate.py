@@ -20,13 +20,14 @@ communication seconds plus compute seconds.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from tofu_tf import ir
 from tofu_tf.cost.collectives import Collective, collective_cost
-from tofu_tf.cost.compute import is_split, op_work
+from tofu_tf.cost.compute import FLOP_OPS, FREE_OPS, is_split, op_work
 from tofu_tf.cost.hardware import HardwareProfile
 from tofu_tf.cost.memory import Liveness, MemoryReport, alias_map
 from tofu_tf.mesh import MeshSpec
@@ -80,7 +81,7 @@ class StepPricer:
     def __init__(self, graph: ir.Graph, liveness: Liveness | None = None):
         self.graph = graph
         self.liveness = liveness or Liveness(graph)
-        self.aliases = alias_map(graph)
+        self.aliases = self.liveness.aliases
         made_by = _made_by(graph)
         self._op_index = {op.name: i for i, op in enumerate(graph.ops)}
         self._absent = len(graph.ops)                 # a row of "no strategy": every tensor whole
@@ -88,25 +89,28 @@ class StepPricer:
         self._max_out = max((len(op.outputs) for op in graph.ops), default=0) + 1
         layer_of = {op.name: op.layer for op in graph.ops}
         layers: dict[str, int] = {}
-        consumer, slot, producer, out, nbytes, layer = [], [], [], [], [], []
+        uses = []                                  # (consumer, slot, producer, output, bytes, layer) per use
         sources: dict[str, tuple | None] = {}      # per source tensor: what every use of it shares
+        aliases, tensors, op_index, absent = self.aliases, graph.tensors, self._op_index, self._absent
+        resource, dtype_bytes = ir.Role.RESOURCE, ir.DTYPE_BYTES
         for i, op in enumerate(graph.ops):
             for j, name in enumerate(op.inputs):
-                source = self.aliases.get(name, name)
-                if source not in sources:
-                    tensor = graph.tensors.get(source)
-                    if tensor is None or tensor.role is ir.Role.RESOURCE or ir.dtype_size(tensor.dtype) == 0:
-                        sources[source] = None
+                source = aliases.get(name, name)
+                known = sources.get(source, False)
+                if known is False:
+                    tensor = tensors.get(source)
+                    if tensor is None or tensor.role is resource or dtype_bytes.get(tensor.dtype, 0) == 0:
+                        known = None
                     else:
                         made, index = made_by.get(source, (None, 0))
-                        sources[source] = (self._op_index.get(made, self._absent), index, float(tensor.num_bytes),
-                                           layer_of.get(tensor.producer))
-                known = sources[source]
+                        known = (op_index.get(made, absent), index, float(tensor.num_bytes),
+                                 layer_of.get(tensor.producer))
+                    sources[source] = known
                 if known is None:
                     continue
                 label = op.layer or known[3] or "(outside layers)"
-                consumer.append(i), slot.append(j), producer.append(known[0]), out.append(known[1])
-                nbytes.append(known[2]), layer.append(layers.setdefault(label, len(layers)))
+                uses.append((i, j, known[0], known[1], known[2], layers.setdefault(label, len(layers))))
+        consumer, slot, producer, out, nbytes, layer = zip(*uses) if uses else ((),) * 6
         self._layers = tuple(layers)
         self._use_consumer, self._use_slot = np.asarray(consumer, dtype=np.int64), np.asarray(slot, dtype=np.int64)
         self._use_producer, self._use_out = np.asarray(producer, dtype=np.int64), np.asarray(out, dtype=np.int64)
@@ -118,7 +122,7 @@ class StepPricer:
             live_out.append(index)
         self._live_producer = np.asarray(live_producer, dtype=np.int64)
         self._live_out = np.asarray(live_out, dtype=np.int64)
-        self._live_bytes = np.asarray([graph.tensors[n].num_bytes for n in self.liveness.names], dtype=np.float64)
+        self._live_bytes = self.liveness.full_bytes
         self._made_by = made_by
 
     def producer_splits(self, op_strategies, num_axes: int, names) -> dict[str, tuple[TensorSplit, ...]]:
@@ -300,10 +304,25 @@ def _splits_of(made, op_strategies, num_axes: int) -> dict[str, tuple[TensorSpli
 
 
 def op_work_seconds(graph: ir.Graph, hardware: HardwareProfile) -> dict[str, float]:
-    """Per op with any work, its compute seconds on one device when not split."""
+    """Per op with any work, its compute seconds on one device when not split: ``op_work``'s
+    seconds, with the bytes-touched case (most ops) summed here from per-tensor bytes
+    (the same sum, in the same order), so a 10k-op graph is priced in one pass."""
     out = {}
+    tensors, dtype_bytes, resource = graph.tensors, ir.DTYPE_BYTES, ir.Role.RESOURCE
+    bandwidth = hardware.memory_bandwidth
     for op in graph.ops:
-        seconds = op_work(op, graph).seconds(hardware)
+        kind = op.type
+        if kind in FREE_OPS:
+            continue
+        if kind in FLOP_OPS:
+            seconds = op_work(op, graph).seconds(hardware)
+        else:
+            touched = 0.0
+            for name in (*op.inputs, *op.outputs):
+                tensor = tensors.get(name)
+                if tensor is not None and tensor.role is not resource:
+                    touched += math.prod(tensor.shape) * dtype_bytes.get(tensor.dtype, 0)
+            seconds = 0.0 / hardware.flops + touched / bandwidth
         if seconds:
             out[op.name] = seconds
     return out

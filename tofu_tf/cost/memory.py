@@ -17,6 +17,7 @@ the per-device bytes they computed from a plan.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
 
 import numpy as np
@@ -25,6 +26,7 @@ from tofu_tf import ir
 
 ALIAS_OPS = frozenset({"Identity", "IdentityN", "Snapshot", "StopGradient", "PreventGradient"})
 _TRANSIENT_ROLES = frozenset({ir.Role.ACTIVATION, ir.Role.INPUT, ir.Role.GRADIENT, ir.Role.SCALAR})
+_TRANSIENT_ROLE_TUPLE = tuple(_TRANSIENT_ROLES)   # membership by identity: an Enum hashes in Python
 
 
 def alias_map(graph: ir.Graph) -> dict[str, str]:
@@ -68,25 +70,30 @@ class Liveness:
 
     def __init__(self, graph: ir.Graph):
         self.graph = graph
-        aliases = alias_map(graph)
+        self.aliases = aliases = alias_map(graph)       # shared with the pricer and the search index
         position = {op.name: i for i, op in enumerate(graph.ops)}
         last_use: dict[str, int] = {}
-        for i, op in enumerate(graph.ops):
+        for i, op in enumerate(graph.ops):               # schedule order: the last write is the last use
             for name in op.inputs:
-                source = aliases.get(name, name)
-                last_use[source] = max(last_use.get(source, i), i)
-        names, starts, ends = [], [], []
+                last_use[aliases.get(name, name)] = i
+        names, starts, ends, sizes = [], [], [], []
+        transient, dtype_bytes = _TRANSIENT_ROLE_TUPLE, ir.DTYPE_BYTES
         for name, tensor in graph.tensors.items():
-            if name in aliases or tensor.role not in _TRANSIENT_ROLES or ir.dtype_size(tensor.dtype) == 0:
+            if name in aliases or tensor.role not in transient:
+                continue
+            itemsize = dtype_bytes.get(tensor.dtype, 0)
+            if itemsize == 0:
                 continue
             start = position.get(tensor.producer, 0)
             names.append(name)
             starts.append(start)
             ends.append(max(last_use.get(name, start), start))
+            sizes.append(math.prod(tensor.shape) * itemsize)
         self.names = tuple(names)
         self.index = {name: i for i, name in enumerate(names)}
         self.start = np.asarray(starts, dtype=np.int64)
         self.end = np.asarray(ends, dtype=np.int64)
+        self.full_bytes = np.asarray(sizes, dtype=np.float64)   # per name, unpartitioned
         self.num_steps = max(len(graph.ops), 1)
         self._gradient_mask: np.ndarray | None = None
 

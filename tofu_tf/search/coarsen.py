@@ -53,7 +53,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from tofu_tf import ir
-from tofu_tf.cost.memory import ALIAS_OPS, Liveness, alias_map
+from tofu_tf.cost.memory import ALIAS_OPS, Liveness
 from tofu_tf.search import fold
 from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, Reduction, TensorSplit, replicate_all
 
@@ -139,7 +139,8 @@ class GraphIndex:
         self.work = dict(work or {})       # op -> compute seconds when not split
         self.ops = {op.name: op for op in graph.ops}
         self.position = {op.name: i for i, op in enumerate(graph.ops)}
-        self.aliases = alias_map(graph)
+        liveness = liveness or Liveness(graph)
+        self.aliases = liveness.aliases
         self.alias_ops = {op.name for op in graph.ops if op.type in ALIAS_OPS}
         self._with_bytes = tensors_with_bytes(graph)
         self.free_ops = self._free_ops()
@@ -162,7 +163,7 @@ class GraphIndex:
         self.tied_outputs: dict[str, tuple[int, ...]] = {}
         for q, k in set(self.ties.values()):
             self.tied_outputs[q] = tuple(sorted(set(self.tied_outputs.get(q, ())) | {k}))
-        self.peak_live = self._peak_live(liveness or Liveness(graph))
+        self.peak_live = self._peak_live(liveness)
         self._strategy_cache: dict[tuple[str, int], tuple[OpStrategy, ...]] = {}
         self._tied_cache: dict[tuple, OpStrategy | None] = {}
         self.matrix_cache: dict[tuple, np.ndarray] = {}   # transfer tables, by value (splits, bytes, n, link)
@@ -400,8 +401,7 @@ class GraphIndex:
         """Tensors alive at the peak of the unpartitioned step: the Lagrangian's memory proxy."""
         if not liveness.names:
             return frozenset()
-        curve = liveness.live_curve(liveness.bytes_array({n: liveness.graph.tensors[n].num_bytes
-                                                          for n in liveness.names}))
+        curve = liveness.live_curve(liveness.full_bytes)
         alive = liveness.live_at(int(np.argmax(curve)))
         return frozenset(liveness.names[i] for i in np.nonzero(alive)[0])
 
