@@ -241,11 +241,14 @@ class GraphIndex:
         tensors = self.graph.tensors
         consumers = self._consumers_through_aliases()
         folded: list[str] = []
-        work = [tensors[t].producer for a in assigns for t in self.ops[a].inputs[1:] if t in tensors]
+        ops, free = self.ops, self.free_ops
+        work = [tensors[t].producer for a in assigns for t in ops[a].inputs[1:] if t in tensors]
         while work:
             name = work.pop()
-            op = self.ops.get(self.source_op(name))
-            if op is None or op.name in group_of_op or op.layer is not None or op.name in self.free_ops \
+            op = ops.get(name)
+            if op is not None and op.type in ALIAS_OPS:
+                op = ops.get(self.source_op(name))
+            if op is None or op.name in group_of_op or op.layer is not None or op.name in free \
                     or op.type in _NEVER_FREE or op.type in ALIAS_OPS or op.body is not None:
                 continue
             tensors_of = [tensors[t] for t in self._byte_tensors(op)]
@@ -318,26 +321,33 @@ class GraphIndex:
             if op.name.startswith(_GRADIENT_SCOPE) or any(
                     tensors[t].producer in backward for t in op.inputs if t in tensors):
                 backward.add(op.name)
-        scope_last: dict[str, int] = {}
+        scope_last: dict[str, int] = {}    # every proper "/"-prefix of a forward op's name -> its last op
         for op in graph.ops:
-            if op.name not in backward:
-                parts = op.name.split("/")
-                for i in range(1, len(parts)):
-                    scope_last["/".join(parts[:i])] = pos[op.name]
+            name = op.name
+            if name not in backward:
+                cut = name.find("/")
+                while cut >= 0:
+                    scope_last[name[:cut]] = pos[name]
+                    cut = name.find("/", cut + 1)
         anchor: dict[str, float] = {}
+        ops = self.ops
         for op in graph.ops:
-            if op.name not in backward:
-                anchor[op.name] = pos[op.name]
-            elif op.name.startswith(_GRADIENT_SCOPE):
-                parts = op.name[len(_GRADIENT_SCOPE):].split("/")
-                for i in range(len(parts), 0, -1):
-                    prefix = "/".join(parts[:i])
-                    if prefix in self.ops and prefix not in backward:
-                        anchor[op.name] = pos[prefix]
+            name = op.name
+            if name not in backward:
+                anchor[name] = pos[name]
+            elif name.startswith(_GRADIENT_SCOPE):
+                prefix = name[len(_GRADIENT_SCOPE):]     # then shorter and shorter "/"-prefixes
+                while True:
+                    if prefix in ops and prefix not in backward:
+                        anchor[name] = pos[prefix]
                         break
                     if prefix in scope_last:
-                        anchor[op.name] = scope_last[prefix]
+                        anchor[name] = scope_last[prefix]
                         break
+                    cut = prefix.rfind("/")
+                    if cut < 0:
+                        break
+                    prefix = prefix[:cut]
         for op in graph.ops:      # gradient sums: with their earliest backward producer
             if op.name in backward and op.name not in anchor:
                 found = [anchor[tensors[t].producer] for t in op.inputs
