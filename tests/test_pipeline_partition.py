@@ -184,6 +184,61 @@ def test_internal_paths_stay_exact(monkeypatch, split_work, small_block):
         assert _lex_key(plan.stage_peak_bytes) == _reference_dp(table, n, p)
 
 
+@pytest.mark.parametrize("key_bits", [0, 12])
+def test_segments_too_long_for_ranked_keys_stay_exact(monkeypatch, key_bits):
+    """Without room for ranked keys every segment is pruned to its own min-max
+    (new pins, recursion) and, where nothing splits, solved with multiset keys."""
+    monkeypatch.setattr(dp_module, "_MAX_KEY_BITS", key_bits)
+    rng = np.random.default_rng(31 + key_bits)
+    for trial in range(300):
+        kind = KINDS[trial % 4]
+        n = int(rng.integers(2, 13))
+        p = int(rng.integers(1, min(n, 6) + 1))
+        m = int(rng.integers(1, 9))
+        schedule = "1f1b" if trial % 3 else "gpipe"
+        layers = _random_chain(rng, n, kind, scale=int(rng.choice([1, 10, 1000])))
+        plan = partition(layers, p, schedule=schedule, num_microbatches=m)
+        _check_plan(plan, layers, p, schedule, m)
+        assert _lex_key(plan.stage_peak_bytes) == _reference_dp(
+            _peak_table(layers, p, schedule, m), n, p), (trial, kind)
+
+
+def test_table_probes_equal_layer_by_layer_probes(monkeypatch):
+    """The vectorised right greedy (greedy_tables) gives the same starts, peak,
+    next bound and excess as the layer-by-layer scan, on monotone chains with
+    and without transients, for bounds around the min-max."""
+    rng = np.random.default_rng(77)
+    for trial in range(150):
+        kind = ["analytic", "monotone"][trial % 2]
+        n = int(rng.integers(2, 40))
+        p = int(rng.integers(1, min(n, 8) + 1))
+        layers = _random_chain(rng, n, kind, scale=int(rng.choice([1, 10, 1000])))
+        model = search_module.StageCostModel.build(layers, p, "1f1b", int(rng.integers(1, 9)))
+        if not model.monotone:
+            continue
+        search = search_module._Search(model)
+        piece = search_module._Piece(0, n, 0, p)
+        monkeypatch.setattr(search_module, "_TABLE_MIN_LAYERS", 0)
+        for bound in rng.integers(0, 3 * max(1, int(model.peaks(0, 0, n))), 6):
+            fast = search._probe(piece, int(bound))
+            slow = search_module._right_greedy(search.window_form, piece, int(bound))
+            assert fast == slow, (trial, int(bound))
+
+
+def test_table_probes_keep_the_search_exact(monkeypatch):
+    monkeypatch.setattr(search_module, "_TABLE_MIN_LAYERS", 0)
+    rng = np.random.default_rng(41)
+    for trial in range(200):
+        kind = ["analytic", "monotone"][trial % 2]
+        n = int(rng.integers(2, 12))
+        p = int(rng.integers(1, min(n, 5) + 1))
+        m = int(rng.integers(1, 9))
+        layers = _random_chain(rng, n, kind, scale=int(rng.choice([1, 10, 1000])))
+        plan = partition(layers, p, schedule="1f1b", num_microbatches=m)
+        assert _lex_key(plan.stage_peak_bytes) == _reference_dp(
+            _peak_table(layers, p, "1f1b", m), n, p), (trial, kind)
+
+
 def test_huge_blocks_are_processed_in_column_slices(monkeypatch):
     monkeypatch.setattr(dp_module, "_BLOCK_ENTRIES", 4)
     monkeypatch.setattr(dp_module, "_SMALL_BLOCK", 0)

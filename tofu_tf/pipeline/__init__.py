@@ -5,8 +5,9 @@ Floors, from the ground up:
 * ``stats`` -- ``LayerStats``, the per-layer figures (analytic or profiled);
 * ``stage_model`` -- the peak of one stage under a ``Schedule`` (1F1B, GPipe);
 * ``partition`` -- exact lexicographic min-max boundaries and the baselines,
-  searched by ``exact_search`` (bisection, greedy probes, windows) and
-  ``lex_dp`` (the lexicographic DP);
+  searched by ``exact_search`` (bisection, greedy probes, windows),
+  ``greedy_tables`` (the probes vectorised over layers) and ``lex_dp`` (the
+  lexicographic DP);
 * ``graph_stats`` -- analytic ``LayerStats`` of a captured training step;
 * ``keras_stats`` -- ``layer_stats(model, ...)``: capture + ``graph_stats``
   (TensorFlow is imported only when it is called);

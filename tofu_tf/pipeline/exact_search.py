@@ -54,7 +54,9 @@ all-measured chains by exact forward/backward reachability (from a start the
 feasible ends form an interval). Both are supersets of every partition within
 ``U``, so the DP over them stays exact.
 
-Cost: ``O(n)`` per greedy probe and ``O(log)`` probes; the DP visits
+Cost: ``O(n)`` per greedy probe and ``O(log)`` probes (on long monotone
+pieces a probe is computed from tables, ``tofu_tf.pipeline.greedy_tables``:
+numpy over the layers, one pointer per stage); the DP visits
 ``sum_r |W_r| |W_{r+1}|`` (start, stop) pairs. Windows stay a few layers wide on
 ordinary chains; they grow towards ``n`` only when a huge number of partitions
 tie at the top levels (one layer dominating every stage, many identical layers
@@ -64,9 +66,11 @@ with a large remainder), where the exact search slows down accordingly.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
+from tofu_tf.pipeline.greedy_tables import GreedyTables
 from tofu_tf.pipeline.lex_dp import INF as _INF
 from tofu_tf.pipeline.lex_dp import lex_dp
 from tofu_tf.pipeline.stage_model import LinearForm, StageCostModel
@@ -74,6 +78,8 @@ from tofu_tf.pipeline.stage_model import LinearForm, StageCostModel
 # Split a piece at its pinned boundaries when its DP would visit more than
 # this many (start, stop) pairs per stage.
 _SPLIT_WORK_PER_STAGE = 64
+# Pieces of at least this many layers are probed from tables (greedy_tables).
+_TABLE_MIN_LAYERS = 256
 # Stage steps (stages x counts) allowed to the greedies that count stages at
 # the min-max bound; beyond it, wide windows go to the DP as they are.
 _COUNT_GREEDY_STEPS = 1 << 15
@@ -136,6 +142,7 @@ class _Search:
         self.exact = model.monotone
         self.window_form = model.exact_form if self.exact else model.bound_form
         self.weights = _shared_weights(self.window_form)
+        self.tables = GreedyTables(self.window_form, set(self.weights), _INF) if self.exact else None
         self.reach = None
         if not self.exact and model.exact_form is not None and not any(model.exact_form.transient):
             self.reach = _ReachTables.build(model.exact_form)
@@ -209,7 +216,7 @@ class _Search:
         bound >= ``bound``: its starts are lower limits already.
         """
         if greedy_starts is None:
-            greedy_starts = _right_greedy(self.window_form, piece, bound, self.weights).starts
+            greedy_starts = self._probe(piece, bound).starts
         lo = greedy_starts + [piece.stop]
         hi = _left_greedy(self.window_form, piece, bound)
         if self.reach is not None:
@@ -218,12 +225,22 @@ class _Search:
             raise RuntimeError(f"internal error: empty boundary window under bound {bound}")
         return lo, hi
 
+    def _probe(self, piece: _Piece, bound: int) -> _Probe:
+        """The right greedy of the window form under ``bound`` (from tables on long
+        monotone pieces, where interpreting layer by layer costs the most)."""
+        if self.tables is None or piece.layers < _TABLE_MIN_LAYERS:
+            return _right_greedy(self.window_form, piece, bound, self.weights)
+        got = self.tables.right_greedy(piece.start, piece.stop, piece.first, piece.stop_stage,
+                                       bound)
+        return _Probe(ok=got.peak <= bound, starts=got.starts, peak=got.peak,
+                      next_bound=got.next_bound, excess=got.first_cost - bound)
+
     def _bound(self, piece: _Piece) -> tuple[int, list[int] | None]:
         """A bound >= the piece's min-max peak (equal to it when the costs are
         monotone), and the right greedy's starts there if known."""
         if self.exact:
             lower = _form_lower_bound(self.window_form, piece)
-            bound, partitions = _bisect(self.window_form, piece, lower, weights=self.weights)
+            bound, partitions = _bisect(self.window_form, piece, lower, probe_with=self._probe)
             return bound, partitions[-1]
         return self._heuristic_bound(piece), None
 
@@ -507,8 +524,12 @@ def _fluid_estimate(form: LinearForm, piece: _Piece) -> int:
 
 
 def _bisect(form: LinearForm, piece: _Piece, lower: int, max_probes: int | None = None,
-            weights: dict[int, list[int]] | None = None) -> tuple[int, list[list[int]]]:
+            probe_with: Callable[[_Piece, int], _Probe] | None = None
+            ) -> tuple[int, list[list[int]]]:
     """Smallest bound the right greedy meets, and the partitions of successful probes.
+
+    ``probe_with(piece, bound)`` runs the right greedy (``_right_greedy`` on
+    ``form`` unless given).
 
     The exact min-max when the form is monotone (``lower`` must not exceed it);
     a heuristic otherwise, with ``max_probes`` capping the work.
@@ -522,10 +543,11 @@ def _bisect(form: LinearForm, piece: _Piece, lower: int, max_probes: int | None 
     probed once: on chains of distinct layers that probe usually ends the
     search (8192 layers / 1024 stages: 7 probes instead of 11).
     """
+    probe_with = probe_with or (lambda part, bound: _right_greedy(form, part, bound))
     upper, found, fails, probes, jumped = None, [], [], 0, None
     guess, width = max(lower, _fluid_estimate(form, piece)), None
     while max_probes is None or probes < max_probes:
-        probe = _right_greedy(form, piece, guess, weights)
+        probe = probe_with(piece, guess)
         probes += 1
         if probe.ok:
             upper = probe.peak

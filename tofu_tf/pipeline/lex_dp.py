@@ -4,22 +4,40 @@ Given windows ``[lo_b, hi_b]`` for every stage boundary of a piece of the chain
 and a bound on every stage's peak, ``lex_dp`` returns the starts of the
 partition whose descending-sorted stage peaks are lexicographically smallest
 (the recurrence is in ``tofu_tf.pipeline.exact_search``'s docstring). This
-module owns the DP's keys, its per-stage steps (plain Python for small blocks,
-numpy for wide ones, column slices for huge ones) and the stage peaks of each
+module owns the DP's keys, its per-stage steps and the stage peaks of each
 block, computed by ``StageCostModel.peaks``.
 
-A node's key is the multiset of its path's stage peaks since the last
-boundary with a single reachable node (earlier peaks are common to every
-candidate and cancel), run-length encoded as ``((-peak, -count), ...)`` by
-descending peak. Among keys of equally many peaks, a larger tuple is a
-lexicographically smaller descending peak vector; repeated peaks (identical
-layers) keep keys short.
+Segments. A boundary whose window is one point (``lo_b == hi_b``) lies on every
+partition within the bound, so the piece splits there into segments solved
+independently; by union compatibility their optima together are the piece's.
+
+Ranked keys (the fast path). Within a segment of ``S`` stages, number the
+distinct peaks its (start, stop) pairs can take ``0, 1, 2, ...`` in increasing
+order and give a stage of rank ``q`` the weight ``2 ** (bits * q)`` with
+``2 ** bits > S``. A path's multiset of peaks then maps to the sum of its
+weights: a number whose base-``2 ** bits`` digits count the peaks of each rank
+(no digit carries, as no count reaches ``2 ** bits``). Comparing two such sums
+compares the counts from the largest peak down: exactly the lexicographic order
+of the descending-sorted peak vectors. The DP becomes a plain min-plus chain DP
+over Python integers, ``F_{r+1}(j) = min_i F_r(i) + weight(i, j)``, whose
+additions and comparisons run in C. A pair over the bound weighs more than any
+path (``2 ** (bits * ranks)``).
+
+Multiset keys (the fallback, for segments whose ranked keys would be too long:
+many distinct peaks and many stages, or blocks too large to hold at once). A
+node's key is the multiset of its path's stage peaks since the last boundary
+with a single reachable node (earlier peaks are common to every candidate and
+cancel), run-length encoded as ``((-peak, -count), ...)`` by descending peak.
+Among keys of equally many peaks, a larger tuple is a lexicographically smaller
+descending peak vector; repeated peaks (identical layers) keep keys short.
+Candidates are ranked by their largest peak first; only ties compare keys.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import operator
 
 import numpy as np
 
@@ -31,6 +49,8 @@ _INF = INF
 _SMALL_BLOCK = 64
 # Peaks computed per numpy call when filling DP blocks.
 _BLOCK_ENTRIES = 1 << 20
+# Longest ranked key (bits) a segment may use; longer ones take the multiset keys.
+_MAX_KEY_BITS = 1 << 14
 
 
 def lex_dp(model: StageCostModel, first_stage: int, lo: list[int], hi: list[int],
@@ -39,9 +59,241 @@ def lex_dp(model: StageCostModel, first_stage: int, lo: list[int], hi: list[int]
     of a piece whose boundary b lies in ``[lo[b], hi[b]]`` (``lo[0] == hi[0]``
     is the piece's first layer, ``lo[-1] == hi[-1]`` its end), every peak
     within ``bound``; None if there is no such partition."""
+    pairs = _PairCosts.build(model, first_stage, lo, hi, bound)
+    if pairs is None:  # too many pairs to hold at once
+        return _keyed_dp(model, first_stage, lo, hi, bound,
+                         _cost_blocks(model, first_stage, lo, hi))
+    segments = _segments(lo, hi)
+    key_bits, weights = _ranked_weights(pairs, segments, pairs.valid)
+    starts: list[int] = []
+    for (a, b), bits in zip(segments, key_bits):
+        segment = _Segment(a, b, entry=0, exit=0, bound=bound)
+        if bits is not None:
+            part = _ranked_dp(pairs, segment, pairs.valid, bits, weights)
+        else:
+            part = _solve_long(model, first_stage, pairs, segment, pairs.valid.copy())
+        if part is None:
+            return None
+        starts += part
+    return starts
+
+
+@dataclasses.dataclass(frozen=True)
+class _PairCosts:
+    """Every (start, stop) pair the windows allow, stage by stage, with its peak.
+
+    Pairs of stage t are stored stop-major: entry ``offsets[t] + c * rows[t] + r``
+    is the stage from ``lo[t] + r`` to ``lo[t + 1] + c``. ``valid``: the pair is
+    a stage (start before stop) within the bound.
+    """
+
+    lo: list[int]
+    rows: list[int]
+    cols: list[int]
+    offsets: list[int]
+    costs: np.ndarray
+    valid: np.ndarray
+
+    @classmethod
+    def build(cls, model: StageCostModel, first_stage: int, lo: list[int], hi: list[int],
+              bound: int) -> "_PairCosts | None":
+        rows = np.asarray(hi[:-1]) - np.asarray(lo[:-1]) + 1
+        cols = np.asarray(hi[1:]) - np.asarray(lo[1:]) + 1
+        sizes = rows * cols
+        total = int(sizes.sum())
+        if total > _BLOCK_ENTRIES:
+            return None
+        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        stage = np.repeat(np.arange(len(sizes)), sizes)
+        local = np.arange(total) - offsets[stage]
+        lo_arr = np.asarray(lo)
+        starts = lo_arr[stage] + local % rows[stage]
+        stops = lo_arr[stage + 1] + local // rows[stage]
+        costs = model.peaks(first_stage + stage, starts, stops)
+        return cls(lo=list(lo), rows=rows.tolist(), cols=cols.tolist(), offsets=offsets.tolist(),
+                   costs=costs, valid=(starts < stops) & (costs <= bound))
+
+    def block(self, stage: int, valid: np.ndarray) -> np.ndarray:
+        """Peaks of stage ``stage`` as a (starts x stops) array, ``_INF`` where not valid."""
+        part = slice(self.offsets[stage], self.offsets[stage + 1])
+        flat = np.where(valid[part], self.costs[part], _INF)
+        return flat.reshape(self.cols[stage], self.rows[stage]).T
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    """Stages a .. b-1 between boundaries a and b, each of which has a single node
+    left: row ``entry`` of boundary a's window, column ``exit`` of boundary b's."""
+
+    a: int
+    b: int
+    entry: int
+    exit: int
+    bound: int
+
+
+def _segments(lo: list[int], hi: list[int]) -> list[tuple[int, int]]:
+    """Boundary ranges between pinned boundaries (windows of one point)."""
+    pins = [b for b in range(1, len(lo) - 1) if lo[b] == hi[b]]
+    cuts = [0, *pins, len(lo) - 1]
+    return list(zip(cuts, cuts[1:]))
+
+
+def _ranked_weights(pairs: _PairCosts, segments: list[tuple[int, int]],
+                    valid: np.ndarray) -> tuple[list[int | None], list]:
+    """Per segment its key length in bits (None when over ``_MAX_KEY_BITS``), and
+    per pair of a segment that fits ``2 ** (bits * rank of its peak in the
+    segment)``, or ``2 ** key_bits`` (heavier than any path) for a pair that is
+    not valid. Pairs outside the segments, or of segments that do not fit, weigh 1."""
+    count = len(segments)
+    first, last = pairs.offsets[segments[0][0]], pairs.offsets[segments[-1][1]]
+    costs, valid = pairs.costs[first:last], valid[first:last]
+    bounds = [pairs.offsets[b] - first for _, b in segments]
+    segment_of = np.searchsorted(np.asarray(bounds), np.arange(last - first), side="right")
+    index = np.flatnonzero(valid)
+    order = index[np.lexsort((costs[index], segment_of[index]))]
+    seg_sorted, cost_sorted = segment_of[order], costs[order]
+    fresh = np.ones(len(order), dtype=bool)
+    fresh[1:] = (np.diff(seg_sorted) != 0) | (np.diff(cost_sorted) != 0)
+    dense = np.cumsum(fresh) - 1
+    distinct = np.bincount(seg_sorted[fresh], minlength=count)
+    first_dense = np.zeros(count, dtype=np.int64)
+    np.cumsum(distinct[:-1], out=first_dense[1:])
+    bits = np.asarray([(b - a).bit_length() for a, b in segments], dtype=np.int64)
+    key_bits = bits * distinct
+    usable = key_bits <= _MAX_KEY_BITS
+    shift = np.where(usable, key_bits, 0)[segment_of]  # not valid: the key's length
+    shift[order] = (dense - first_dense[seg_sorted]) * bits[seg_sorted]
+    shift[~usable[segment_of]] = 0
+    weights = [1] * first + [1 << s for s in shift.tolist()]
+    return [int(k) if ok else None for k, ok in zip(key_bits, usable)], weights
+
+
+def _ranked_dp(pairs: _PairCosts, segment: _Segment, valid: np.ndarray, key_bits: int,
+               weights: list) -> list[int] | None:
+    """Min-plus DP over the ranked weights of one segment (see the module docstring).
+
+    Only the keys are kept per boundary; the path is recovered backwards by
+    finding, at each boundary, a start whose key plus the stage's weight gives
+    the key already chosen."""
+    unreachable = 1 << key_bits
+    keys = [unreachable] * pairs.rows[segment.a]
+    keys[segment.entry] = 0
+    history = [keys]
+    for t in range(segment.a, segment.b):
+        rows, at = pairs.rows[t], pairs.offsets[t]
+        keys = [min(map(operator.add, keys, weights[at + c * rows: at + (c + 1) * rows]))
+                for c in range(pairs.cols[t])]
+        history.append(keys)
+    if keys[segment.exit] >= unreachable:
+        return None
+    starts, col = [], segment.exit
+    for t in range(segment.b - 1, segment.a - 1, -1):
+        rows = pairs.rows[t]
+        at = pairs.offsets[t] + col * rows
+        sums = list(map(operator.add, history[t - segment.a], weights[at: at + rows]))
+        col = sums.index(history[t + 1 - segment.a][col])  # row in window t: stage t-1's stop
+        starts.append(pairs.lo[t] + col)
+    return starts[::-1]
+
+
+def _solve_long(model: StageCostModel, first_stage: int, pairs: _PairCosts, segment: _Segment,
+                valid: np.ndarray) -> list[int] | None:
+    """A segment whose ranked keys are too long: prune it to the pairs on paths
+    within its own min-max bound, which pins new boundaries, and solve the parts
+    (``valid`` is updated in place).
+
+    A node's forward value is the least possible largest peak of a path from
+    the entry to it, its backward value the same from it to the exit; the
+    segment's min-max is the exit's forward value ``B``. A pair lies on a path
+    whose peaks are all within ``B`` iff the larger of its start's forward
+    value, its peak and its stop's backward value is within ``B``; every
+    lexicographically optimal path has largest peak ``B``, so it uses only such
+    pairs. A boundary left with one such node splits the segment there (exact by
+    union compatibility). Without a new split, the multiset keys solve it.
+    """
+    forward, backward = _bottleneck_values(pairs, segment, valid)
+    bound = forward[-1][segment.exit]
+    if bound >= _INF:
+        return None
+    alive = _prune(pairs, segment, valid, forward, backward, bound)
+    cuts = [segment.a] + [segment.a + t for t in range(1, len(alive) - 1)
+                          if len(alive[t]) == 1] + [segment.b]
+    if len(cuts) == 2:
+        return _keyed_segment(model, first_stage, pairs, segment, valid)
+    parts = [_Segment(a, b, entry=alive[a - segment.a][0], exit=alive[b - segment.a][0],
+                      bound=bound) for a, b in zip(cuts, cuts[1:])]
+    key_bits, weights = _ranked_weights(pairs, [(p.a, p.b) for p in parts], valid)
+    starts: list[int] = []
+    for part, bits in zip(parts, key_bits):
+        found = (_ranked_dp(pairs, part, valid, bits, weights) if bits is not None
+                 else _solve_long(model, first_stage, pairs, part, valid))
+        if found is None:
+            return None
+        starts += found
+    return starts
+
+
+def _bottleneck_values(pairs: _PairCosts, segment: _Segment, valid: np.ndarray):
+    """Forward and backward min-max values of every node of the segment's windows."""
+    first, last = pairs.offsets[segment.a], pairs.offsets[segment.b]
+    costs = np.where(valid[first:last], pairs.costs[first:last], _INF).tolist()
+    stages = range(segment.a, segment.b)
+    forward = [[_INF] * pairs.rows[segment.a]]
+    forward[0][segment.entry] = 0
+    for t in stages:
+        rows, at, prev = pairs.rows[t], pairs.offsets[t] - first, forward[-1]
+        forward.append([min(map(max, prev, costs[at + c * rows: at + (c + 1) * rows]))
+                        for c in range(pairs.cols[t])])
+    backward = [[_INF] * pairs.cols[segment.b - 1]]
+    backward[0][segment.exit] = 0
+    for t in reversed(stages):
+        rows, at, after = pairs.rows[t], pairs.offsets[t] - first, backward[-1]
+        span = costs[at: at + rows * pairs.cols[t]]
+        backward.append([min(map(max, span[r::rows], after)) for r in range(rows)])
+    return forward, backward[::-1]
+
+
+def _prune(pairs, segment, valid, forward, backward, bound) -> list[list[int]]:
+    """Keep (in ``valid``) only pairs on paths within ``bound``; return each
+    boundary's surviving nodes."""
+    alive, before, after = [], [], []
+    for t in range(segment.a, segment.b + 1):
+        f, g = forward[t - segment.a], backward[t - segment.a]
+        alive.append([x for x in range(len(f)) if f[x] <= bound and g[x] <= bound])
+        if t < segment.b:  # per pair (stop-major): its start's forward, its stop's backward
+            rows = pairs.rows[t]
+            before += f * pairs.cols[t]
+            after += [v for v in backward[t + 1 - segment.a] for _ in range(rows)]
+    part = slice(pairs.offsets[segment.a], pairs.offsets[segment.b])
+    through = np.maximum(np.maximum(np.asarray(before), np.asarray(after)), pairs.costs[part])
+    valid[part] &= through <= bound
+    return alive
+
+
+def _keyed_segment(model: StageCostModel, first_stage: int, pairs: _PairCosts,
+                   segment: _Segment, valid: np.ndarray) -> list[int] | None:
+    """The multiset-key DP on a segment, over the hull of its surviving nodes."""
+    a, b = segment.a, segment.b
+    lo = [pairs.lo[a] + segment.entry] + pairs.lo[a + 1: b] + [pairs.lo[b] + segment.exit]
+    hi = [lo[0]] + [l + c - 1 for l, c in zip(pairs.lo[a + 1: b], pairs.cols[a: b - 1])] + [lo[-1]]
+    blocks = []
+    for t in range(a, b):
+        block = pairs.block(t, valid)
+        rows = slice(segment.entry, segment.entry + 1) if t == a else slice(None)
+        cols = slice(segment.exit, segment.exit + 1) if t == b - 1 else slice(None)
+        blocks.append(block[rows, cols])
+    return _keyed_dp(model, first_stage + a, lo, hi, segment.bound, iter(blocks))
+
+
+def _keyed_dp(model: StageCostModel, first_stage: int, lo: list[int], hi: list[int],
+              bound: int, blocks) -> list[int] | None:
+    """The DP with multiset keys (see the module docstring); ``blocks`` yields each
+    stage's (starts x stops) peaks, or None for a block too big to hold at once."""
     layer = _Layer(keys=[()], tops=[0])
     parents: list[list[int]] = []
-    for b, costs in enumerate(_cost_blocks(model, first_stage, lo, hi)):
+    for b, costs in enumerate(blocks):
         if sum(top < _INF for top in layer.tops) == 1:
             layer = layer.restarted()
         if costs is None:

@@ -280,7 +280,7 @@ def _prefix_arrays(columns: _Columns, inflight) -> dict:
         "act": _prefix(columns.activation),
         "measured": None,
     }
-    arrays.update(_sparse_table(columns.transient))
+    arrays["range_max"] = RangeMax.of(columns.transient)
     if any(columns.measured):
         arrays["measured"] = _prefix(columns.measured)
         arrays["iso"] = np.asarray(columns.isolated + (0,), dtype=np.int64)
@@ -288,27 +288,38 @@ def _prefix_arrays(columns: _Columns, inflight) -> dict:
     return arrays
 
 
-def _sparse_table(values) -> dict:
-    """Range-maximum table: row q holds max(values[i : i + 2**q])."""
-    base = np.asarray(values, dtype=np.int64)
-    if not base.any():
-        return {"sparse": None}
-    rows = [base]
-    while (2 << (len(rows) - 1)) <= len(base):
-        half = 1 << (len(rows) - 1)
-        prev = rows[-1]
-        row = np.zeros_like(base)
-        row[: len(base) - 2 * half + 1] = np.maximum(prev[: len(base) - 2 * half + 1],
-                                                     prev[half: len(base) - half + 1])
-        rows.append(row)
-    log2 = np.zeros(len(base) + 1, dtype=np.int64)
-    log2[1:] = np.frexp(np.arange(1, len(base) + 1))[1] - 1  # floor(log2(length))
-    return {"sparse": np.stack(rows), "log2": log2}
+@dataclasses.dataclass(frozen=True, eq=False)
+class RangeMax:
+    """``max(values[start:stop])`` in O(1) for arrays of ranges (a sparse table:
+    row q holds ``max(values[i : i + 2**q])``)."""
+
+    table: np.ndarray
+    log2: np.ndarray
+
+    @classmethod
+    def of(cls, values) -> "RangeMax | None":
+        """The table, or None when every value is 0 (every range maximum is 0)."""
+        base = np.asarray(values, dtype=np.int64)
+        if not base.any():
+            return None
+        rows = [base]
+        while (2 << (len(rows) - 1)) <= len(base):
+            half = 1 << (len(rows) - 1)
+            prev = rows[-1]
+            row = np.zeros_like(base)
+            row[: len(base) - 2 * half + 1] = np.maximum(prev[: len(base) - 2 * half + 1],
+                                                         prev[half: len(base) - half + 1])
+            rows.append(row)
+        log2 = np.zeros(len(base) + 1, dtype=np.int64)
+        log2[1:] = np.frexp(np.arange(1, len(base) + 1))[1] - 1  # floor(log2(length))
+        return cls(table=np.stack(rows), log2=log2)
+
+    def __call__(self, start, stop) -> np.ndarray:
+        """Maxima over ``[start, stop)`` (``stop > start``), elementwise."""
+        level = self.log2[stop - start]
+        return np.maximum(self.table[level, start], self.table[level, stop - np.left_shift(1, level)])
 
 
 def _range_max(arrays: dict, start: np.ndarray, stop: np.ndarray):
-    table = arrays["sparse"]
-    if table is None:
-        return 0
-    level = arrays["log2"][stop - start]
-    return np.maximum(table[level, start], table[level, stop - np.left_shift(1, level)])
+    table = arrays["range_max"]
+    return 0 if table is None else table(start, stop)

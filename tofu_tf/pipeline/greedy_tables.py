@@ -1,0 +1,166 @@
+"""The right-greedy probe for monotone stage costs, vectorised over layers (no TensorFlow).
+
+``exact_search`` bisects the min-max bound with a greedy probe: stages from the
+last, each taking every layer that still fits under the bound. Scanning layer
+by layer in Python costs O(layers) interpreter steps per probe. This module
+computes the same probe from tables: for a bound ``B`` and a multiplier ``k``,
+``first_fit[j]`` is the first layer of the longest stage ending at ``j`` within
+``B``, for every ``j`` at once with numpy. The greedy then only follows one
+pointer per stage. It owns nothing else: the search logic and the stage costs
+stay in ``exact_search`` and ``stage_model``.
+
+Why a binary search finds ``first_fit``. The cost is the ``LinearForm``
+``c_k(i, j) = P_k(j) - P_k(i) + offset_i + max(transient[i:j])`` with ``P_k``
+the prefix sums of ``base + k * activation``. It is monotone (never drops as
+the stage grows), so ``g(i) = P_k(i) - offset_i`` never decreases with ``i``;
+without transients ``c_k(i, j) <= B`` iff ``g(i) >= P_k(j) - B``, one
+``searchsorted``. Transients only raise the cost, so the true first fit lies
+at or after that point: a few vectorised single steps forward settle most
+ends, a vectorised bisection the rest.
+
+Stages whose multiplier is rare (the last stages under 1F1B keep fewer
+micro-batches each, so they are also the longest) get no table: each
+bisects its own start in plain Python over the same prefix sums, O(log)
+steps instead of one per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from tofu_tf.pipeline.stage_model import LinearForm, RangeMax
+
+# Single steps forward tried before the remaining ends are bisected.
+_LINEAR_STEPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class GreedyOutcome:
+    """The right greedy's starts and what the bisection needs from them."""
+
+    starts: list[int]        # first layer of each stage of the piece
+    peak: int                # largest stage cost
+    first_cost: int          # cost of the first stage (what is left over)
+    next_bound: int          # smallest cost above the bound met (a stage one layer longer,
+                             # or a forced single layer); inf if none
+
+
+class GreedyTables:
+    """Prefix sums of one monotone ``LinearForm`` and the probes built on them."""
+
+    def __init__(self, form: LinearForm, shared: set[int], inf: int):
+        self.form = form
+        self.inf = inf
+        self.base = _prefix(form.base)
+        self.activation = _prefix(form.activation)
+        self.offset = np.asarray(form.offset, dtype=np.int64)
+        self.multiplier = np.asarray(form.multiplier, dtype=np.int64)
+        self.range_max = RangeMax.of(form.transient)
+        self.level = {k: self.base + k * self.activation for k in shared}
+        self.floor = {k: level[:-1] - self.offset for k, level in self.level.items()}
+        self._lists = _ScalarCost(self)
+
+    def cost(self, multiplier, start, stop) -> np.ndarray:
+        """``c_k(start, stop)`` elementwise (``stop > start``)."""
+        total = (self.base[stop] - self.base[start]
+                 + multiplier * (self.activation[stop] - self.activation[start]) + self.offset[start])
+        return total if self.range_max is None else total + self.range_max(start, stop)
+
+    def first_fit(self, k: int, start: int, stop: int, bound: int) -> list[int]:
+        """For each end ``j`` in ``(start, stop]``, the first layer ``i >= start`` with
+        ``c_k(i, j) <= bound``, or ``j`` when not even layer ``j - 1`` alone fits;
+        entry ``j - start - 1``."""
+        ends = np.arange(start + 1, stop + 1)
+        level = self.level[k]
+        first = np.searchsorted(self.floor[k][start:stop], level[ends] - bound, side="left") + start
+        first = np.minimum(first, ends)
+        if self.range_max is not None:
+            self._past_transients(k, first, ends, bound)
+        return first.tolist()
+
+    def _past_transients(self, k: int, first: np.ndarray, ends: np.ndarray, bound: int) -> None:
+        """Move each ``first`` forward to where the transient maximum fits too (in place)."""
+        live = np.flatnonzero(first < ends)
+        for _ in range(_LINEAR_STEPS):
+            over = self.cost(k, first[live], ends[live]) > bound
+            live = live[over]
+            first[live] += 1
+            live = live[first[live] < ends[live]]
+            if not live.size:
+                return
+        low, high, stops = first[live], ends[live].copy(), ends[live]
+        while True:  # invariant: cost(high) fits or high == end; cost(i) over bound for i < low
+            open_ = low < high
+            if not open_.any():
+                break
+            mid = (low + high) // 2
+            fits = np.zeros(len(mid), dtype=bool)
+            fits[open_] = self.cost(k, mid[open_], stops[open_]) <= bound
+            high = np.where(open_ & fits, mid, high)
+            low = np.where(open_ & ~fits, mid + 1, low)
+        first[live] = low
+
+    def right_greedy(self, start: int, stop: int, first_stage: int, stop_stage: int,
+                     bound: int) -> GreedyOutcome:
+        """Stages ``[first_stage, stop_stage)`` over layers ``[start, stop)``: from the
+        last, each takes every layer that fits under ``bound`` (at least one, none
+        before its cap: one layer is left for each earlier stage); the first takes
+        what is left."""
+        multipliers = self.form.multiplier[first_stage:stop_stage]
+        tables = {k: self.first_fit(k, start, stop, bound)
+                  for k in set(multipliers) if k in self.level}
+        starts = [start] * len(multipliers)
+        at = stop
+        for b in range(len(multipliers) - 1, 0, -1):
+            k = multipliers[b]
+            table = tables.get(k)
+            fit = (table[at - start - 1] if table is not None
+                   else self._lists.first_fit(k, start + b, at, bound))
+            at = at - 1 if fit >= at else max(fit, start + b)
+            starts[b] = at
+        multipliers = self.multiplier[first_stage:stop_stage]
+        begin = np.asarray(starts, dtype=np.int64)
+        end = np.append(begin[1:], stop)
+        costs = self.cost(multipliers, begin, end)
+        caps = start + np.arange(len(multipliers))
+        # a stage stopped by the bound, not by its cap, met the cost one layer longer
+        longer = np.flatnonzero((begin > caps) & (costs <= bound))
+        longer = longer[longer > 0]
+        wider = self.cost(multipliers[longer], begin[longer] - 1, end[longer])
+        over = np.concatenate([wider, costs[costs > bound]])
+        return GreedyOutcome(starts=starts, peak=int(costs.max()), first_cost=int(costs[0]),
+                             next_bound=int(over.min()) if over.size else self.inf)
+
+
+class _ScalarCost:
+    """The tables' prefix sums as Python lists, for one stage at a time."""
+
+    def __init__(self, tables: GreedyTables):
+        self.base = tables.base.tolist()
+        self.activation = tables.activation.tolist()
+        self.offset = tables.offset.tolist()
+        rmax = tables.range_max
+        self.levels = None if rmax is None else rmax.table[:1].tolist()
+
+    def first_fit(self, k: int, cap: int, stop: int, bound: int) -> int:
+        """First layer ``i >= cap`` with ``c_k(i, stop) <= bound``, or ``stop``: a
+        scan leftwards from ``stop`` (the stage's own layers only)."""
+        base, act, offset = self.base, self.activation, self.offset
+        level = base[stop] + k * act[stop]
+        top, i = 0, stop - 1
+        row = self.levels[0] if self.levels is not None else None
+        while i >= cap:
+            if row is not None and row[i] > top:
+                top = row[i]
+            if level - base[i] - k * act[i] + offset[i] + top > bound:
+                return i + 1
+            i -= 1
+        return cap
+
+
+def _prefix(values) -> np.ndarray:
+    out = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(values, dtype=np.int64), out=out[1:])
+    return out
