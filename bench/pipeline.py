@@ -211,8 +211,8 @@ def keras_cnn_stats() -> list[LayerStats]:
 def planned_runs_table() -> list[str]:
     """Profiling runs this scheme and mCAP's need, from the plans alone (nothing runs)."""
     from tofu_tf.pipeline import profile
-    rows = [f"{'model':<20} {'units':>5} {'distinct stages':>15} "
-            + " ".join(f"{f'runs@{p} (mCAP)':>18}" for p in (4, 8))]
+    rows = [f"{'model':<20} {'units':>5} {'distinct stages':>15} {'devices':>7} "
+            f"{'steps/device':>12} " + " ".join(f"{f'runs@{p} (mCAP)':>18}" for p in (4, 8))]
     for label, analysis in _ANALYSES.items():
         plan = profile.plan_probes(analysis)
         cells = []
@@ -222,6 +222,7 @@ def planned_runs_table() -> list[str]:
             mcap = profile.mcap_run_count(units, p) if units >= 2 * p - 2 else None
             cells.append(f"{runs} ({mcap}) {runs / mcap:.2f}x" if mcap else f"{runs} (-)")
         rows.append(f"{label:<20} {len(analysis.units):>5} {len(plan.probes):>15} "
+                    f"{len(plan.devices):>7} {plan.steps_per_device():>12} "
                     + " ".join(f"{c:>18}" for c in cells))
     return rows
 
@@ -249,7 +250,7 @@ def profiling_tables() -> tuple[list[str], list, list]:
     from tofu_tf.pipeline.regression import StageSample
 
     runs_rows = [f"{'model':<18} {'units':>5} {'devices':>7} {'stages run':>10} {'runs':>4} "
-                 f"{'mCAP runs':>9} {'ratio':>6} {'profile s':>9}"]
+                 f"{'mCAP runs':>9} {'ratio':>6} {'steps/device':>12} {'profile s':>9}"]
     error_rows = [f"{'model':<18} {'p':>2} {'sched':>5} {'m':>2} {'stage':>5} {'units':>7} "
                   f"{'k':>2} {'measured MiB':>12} {'mCAP pred MiB':>13} {'error':>7} "
                   f"{'analytic err':>12}"]
@@ -259,12 +260,12 @@ def profiling_tables() -> tuple[list[str], list, list]:
         analysis = keras_stats.analyze_model(model, micro_batch=micro, loss=LOSS, optimizer="adam")
         started = time.perf_counter()
         result = keras_stats.profile_model(model, analysis, micro_batch=micro, loss=LOSS,
-                                           optimizer="adam", model_fn=builder, num_devices=8)
+                                           optimizer="adam", model_fn=builder, num_devices=4)
         seconds = time.perf_counter() - started
         ratio = "-" if result.run_ratio is None else f"{result.run_ratio:.2f}x"
-        runs_rows.append(f"{label:<18} {len(analysis.units):>5} {8:>7} {len(result.probes):>10} "
+        runs_rows.append(f"{label:<18} {len(analysis.units):>5} {4:>7} {len(result.probes):>10} "
                          f"{result.runs:>4} {result.mcap_runs or '-':>9} {ratio:>6} "
-                         f"{seconds:>9.1f}")
+                         f"{result.steps_per_device:>12} {seconds:>9.1f}")
         plans = []
         for stages, schedule, micro_count in ((2, "1f1b", 8), (4, "1f1b", 8), (8, "1f1b", 8),
                                               (4, "gpipe", 2)):
@@ -379,12 +380,13 @@ def main(argv) -> None:
     print("2. Largest stage peak by method, and how much lower optimal is:")
     print("\n".join(memory_table()))
     print()
-    print("Profiling runs planned for those models (distinct stages packed one per device):")
+    print("Profiling runs planned for those models (a device holds at most two units and "
+          "measures the stages nested in them):")
     print("\n".join(planned_runs_table()))
     validation = []
     if not FLAGS.quick:
         print()
-        print("3. Profiling (8 devices per run) and mCAP's predictor against measured stage peaks:")
+        print("3. Profiling (4 devices per run) and mCAP's predictor against measured stage peaks:")
         rows, _, validation = profiling_tables()
         print("\n".join(rows))
         print()

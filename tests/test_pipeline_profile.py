@@ -40,14 +40,40 @@ def test_probe_plan_measures_each_distinct_stage_once():
                       (0, 2, (1,)), (1, 3, (1,)), (2, 4, (1,)), (6, 8, (1,))}
     assert plan.isolated[3] == plan.isolated[1] and plan.isolated[7] != plan.isolated[0]
     assert plan.paired[0] is None and plan.paired[5] == plan.paired[3]
+    # one device per distinct pair, each also measuring the singles nested in it
+    assert len(plan.devices) == 4
     runs = plan.runs(3)
-    assert len(runs) == math.ceil(len(plan.probes) / 3) and sum(map(len, runs)) == 8
+    assert len(runs) == math.ceil(4 / 3) and sum(map(len, runs)) == 8
 
 
-def test_probe_plan_without_repeats_needs_two_stages_per_unit():
-    plan = profile.plan_probes(_analysis([f"s{i}" for i in range(10)]))
-    assert len(plan.probes) == 2 * 10 - 1
-    assert profile.mcap_run_count(10, 4) > len(plan.runs(4))
+def _check_devices(plan):
+    """Every probe measured once, by a device holding at most two neighbouring
+    units, all of its stages nested in its largest one."""
+    measured = [i for device in plan.devices for i in device]
+    assert sorted(measured) == list(range(len(plan.probes)))
+    for device in plan.devices:
+        stages = [plan.probes[i] for i in device]
+        start, stop = min(p.start for p in stages), max(p.stop for p in stages)
+        assert stop - start <= 2
+        assert any((p.start, p.stop) == (start, stop) for p in stages)
+
+
+def test_probe_plan_without_repeats_needs_one_device_per_pair():
+    for units in (2, 3, 10, 16):
+        plan = profile.plan_probes(_analysis([f"s{i}" for i in range(units)]))
+        assert len(plan.probes) == 2 * units - 1
+        assert len(plan.devices) == units - 1
+        _check_devices(plan)
+        assert plan.steps_per_device() <= 5
+    plan = profile.plan_probes(_analysis([f"s{i}" for i in range(16)]))
+    assert len(plan.runs(4)) == 4 and profile.mcap_run_count(16, 4) == 16
+
+
+def test_probe_plan_devices_with_repeats_and_a_single_unit():
+    _check_devices(profile.plan_probes(_analysis(["e", "a", "m", "a", "m", "a", "m", "e"])))
+    _check_devices(profile.plan_probes(_analysis(["e", "a", "a", "a", "a", "e"])))
+    single = profile.plan_probes(_analysis(["only"]))
+    assert single.devices == ((0,),) and single.runs(4) == [single.probes]
 
 
 def test_unpicklable_builder_is_refused_with_the_fix():
@@ -67,14 +93,15 @@ def test_config_builder_rebuilds_builtin_models_and_names_the_fix_otherwise():
 
 
 def test_profiled_mlp_predicts_its_own_stages():
-    """One profiling run (3 units, 5 distinct stages, 8 per run) and one run of real
-    stages: mCAP's predictor from the measured figures must land within 10%."""
+    """One profiling run (3 units, 5 distinct stages on 2 devices) and one run of
+    real stages: mCAP's predictor from the measured figures must land within 10%."""
     build = functools.partial(models.mlp, input_dim=64, width=128, depth=2)
     model = build()
     analysis = keras_stats.analyze_model(model, micro_batch=8, loss=LOSS, optimizer="adam")
     result = keras_stats.profile_model(model, analysis, micro_batch=8, loss=LOSS,
                                        optimizer="adam", model_fn=build, num_devices=8)
     assert result.runs == 1 and len(result.probes) == 5 and result.mcap_runs is None
+    assert result.steps_per_device == 5
     for measured, analytic in zip(result.stats, analysis.stats):
         assert measured.is_measured
         assert measured.isolated_bytes >= analytic.state_bytes  # weights, grads, slots at least

@@ -31,13 +31,21 @@ at all). Then
   distinct stages run. The first and last units (model input; loss) are never
   shared.
 
-A *run* is one profiling job on ``num_devices`` devices, each device
-measuring one stage, as in mCAP and CAPSlog; here a run's stages execute one
-after another in one subprocess (one CPU), each peak read after
-``reset_memory_stats``. mCAP's scheme (``get_mCAP_partitionings`` in CAPSlog's
-code) runs one full pipeline per layer it isolates: about ``L - 2`` runs for
-``L`` layers (``mcap_run_count``); this plan needs
-``ceil(distinct stages / num_devices)``.
+A *run* is one profiling job on ``num_devices`` devices, as in mCAP and
+CAPSlog: one launch, each device holding a few layers. A device here holds at
+most two intact neighbouring units, ``[l-1, l]`` (CAPSlog's limit), and
+measures every distinct stage nested in them that the plan still needs, one
+training step each with the peak statistics reset in between: the pair itself
+and the single units ``[l-1]`` and ``[l]`` (each single at one and two
+micro-batches in flight). It never holds more than the pair stage it measures,
+so its memory is that stage's; what it spends is up to five measured steps
+(plus one warm-up step per stage) where a device of an mCAP run measures one
+stage in one step. Devices are then ``distinct pairs`` (plus any single left
+over), and runs ``ceil(devices / num_devices)`` -- about ``L / p`` for ``L``
+units without repeats, against about ``L - 2`` for mCAP's scheme
+(``get_mCAP_partitionings`` in CAPSlog's code, one full pipeline per layer it
+isolates; ``mcap_run_count``). On CPU a run is one subprocess whose devices'
+stages execute one after another, each peak read after ``reset_memory_stats``.
 """
 
 from __future__ import annotations
@@ -103,6 +111,7 @@ class ProfileResult:
     runs: int                             # profiling runs on num_devices devices
     mcap_runs: int | None                 # runs mCAP's scheme needs (None: chain too short for it)
     num_devices: int
+    steps_per_device: int                 # most measured steps one device takes in a run
 
     @property
     def run_ratio(self) -> float | None:
@@ -155,15 +164,27 @@ def _even(devices: int, layers: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class ProbePlan:
-    """Distinct stages to measure and, per unit, which of them give its figures."""
+    """Distinct stages to measure, how they share devices, and, per unit, which of
+    them give its figures."""
 
     probes: tuple[StageProbe, ...]
     isolated: tuple[int, ...]            # unit l alone, at one and two micro-batches in flight
     paired: tuple[int | None, ...]       # units l-1 and l (None for the first unit)
+    devices: tuple[tuple[int, ...], ...]  # probes measured by one device, nested in its units
+
+    def run_indices(self, num_devices: int) -> list[tuple[int, ...]]:
+        """The probe indices of each run: devices packed ``num_devices`` to a run."""
+        return [tuple(i for device in self.devices[d: d + num_devices] for i in device)
+                for d in range(0, len(self.devices), num_devices)]
 
     def runs(self, num_devices: int) -> list[tuple[StageProbe, ...]]:
-        """The probes packed into runs of ``num_devices`` stages."""
-        return [self.probes[i: i + num_devices] for i in range(0, len(self.probes), num_devices)]
+        """The probes of each run (see ``run_indices``)."""
+        return [tuple(self.probes[i] for i in run) for run in self.run_indices(num_devices)]
+
+    def steps_per_device(self) -> int:
+        """Most measured steps one device takes in a run (one per in-flight count
+        of each of its stages)."""
+        return max(sum(len(self.probes[i].inflights) for i in device) for device in self.devices)
 
 
 def plan_probes(analysis: ChainAnalysis) -> ProbePlan:
@@ -186,7 +207,24 @@ def plan_probes(analysis: ChainAnalysis) -> ProbePlan:
 
     isolated = tuple(probe(i, i + 1, (1, 2)) for i in range(len(units)))
     paired = (None,) + tuple(probe(i - 1, i + 1, (1,)) for i in range(1, len(units)))
-    return ProbePlan(tuple(probes), isolated, paired)
+    return ProbePlan(tuple(probes), isolated, paired, _devices(probes, isolated, paired))
+
+
+def _devices(probes: list[StageProbe], isolated: tuple[int, ...],
+             paired: tuple[int | None, ...]) -> tuple[tuple[int, ...], ...]:
+    """One device per distinct pair stage, also measuring the not yet assigned
+    single-unit stages nested in it; a single left over gets a device of its own."""
+    devices, assigned = [], set()
+    for index, pair in enumerate(paired):
+        if pair is None or pair in assigned:
+            continue
+        probe = probes[pair]
+        singles = [isolated[u] for u in range(probe.start, probe.stop)]
+        device = [i for i in dict.fromkeys(singles) if i not in assigned] + [pair]
+        assigned.update(device)
+        devices.append(tuple(device))
+    devices += [(i,) for i in dict.fromkeys(isolated) if i not in assigned]
+    return tuple(devices)
 
 
 def measure(analysis: ChainAnalysis, builder: Callable, *, micro_batch: int, loss, optimizer,
@@ -196,12 +234,14 @@ def measure(analysis: ChainAnalysis, builder: Callable, *, micro_batch: int, los
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     plan = plan_probes(analysis)
-    runs = plan.runs(num_devices)
-    peaks: list[tuple[int, ...]] = []
+    runs = plan.run_indices(num_devices)
+    peaks: list[tuple[int, ...]] = [()] * len(plan.probes)
     for number, run in enumerate(runs):
         logging.info("profiling run %d/%d: %d stages", number + 1, len(runs), len(run))
-        peaks += measure_stage_peaks(analysis, builder, run, micro_batch=micro_batch, loss=loss,
-                                     optimizer=optimizer)
+        measured = measure_stage_peaks(analysis, builder, [plan.probes[i] for i in run],
+                                       micro_batch=micro_batch, loss=loss, optimizer=optimizer)
+        for index, peak in zip(run, measured):
+            peaks[index] = peak
     stats = []
     for index, layer in enumerate(analysis.stats):
         iso, doubled = peaks[plan.isolated[index]]
@@ -213,7 +253,8 @@ def measure(analysis: ChainAnalysis, builder: Callable, *, micro_batch: int, los
     mcap = (mcap_run_count(units, num_devices)
             if units >= 2 * num_devices - 2 and num_devices >= 3 else None)
     return ProfileResult(stats=tuple(stats), probes=plan.probes, peaks=tuple(peaks),
-                         runs=len(runs), mcap_runs=mcap, num_devices=num_devices)
+                         runs=len(runs), mcap_runs=mcap, num_devices=num_devices,
+                         steps_per_device=plan.steps_per_device())
 
 
 def measure_stage_peaks(analysis: ChainAnalysis, builder: Callable, probes: Sequence[StageProbe], *,

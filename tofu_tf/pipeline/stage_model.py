@@ -224,9 +224,15 @@ class _Columns:
 
     @classmethod
     def of(cls, chain: Sequence[LayerStats]) -> "_Columns":
-        rows = [(l.state_bytes, l.activation_bytes, l.transient_bytes, l.isolated_bytes or 0,
-                 l.added_bytes or 0, l.is_measured) for l in chain]
-        return cls(*(tuple(column) for column in zip(*rows)))
+        isolated = [l.isolated_bytes for l in chain]
+        added = [l.added_bytes for l in chain]
+        return cls(state=tuple([l.state_bytes for l in chain]),
+                   activation=tuple([l.activation_bytes for l in chain]),
+                   transient=tuple([l.transient_bytes for l in chain]),
+                   isolated=tuple([x or 0 for x in isolated]),
+                   added=tuple([x or 0 for x in added]),
+                   measured=tuple([i is not None and a is not None
+                                   for i, a in zip(isolated, added)]))
 
 
 def _check_magnitude(columns: _Columns, max_inflight: int) -> None:
