@@ -29,6 +29,30 @@ def test_ring_bytes_and_seconds():
     assert transfer(S0, REPLICATED, nbytes, 1, LINK) is None
 
 
+def test_latency_per_collective_is_paid_once_whatever_the_group():
+    """DTensor on CPU: one executor call per collective, so group size does not multiply latency."""
+    per_call = Link(bandwidth=1e9, latency=1e-3, latency_per_collective=True)
+    for n in (2, 4, 8):
+        ar = transfer(P, REPLICATED, 1000.0, n, per_call)
+        assert ar.seconds == pytest.approx(1e-3 + 2 * (n - 1) / n * 1000 / 1e9)
+        assert ar.bytes == transfer(P, REPLICATED, 1000.0, n, LINK).bytes
+    ring = Link(bandwidth=1e9, latency=1e-3)
+    assert transfer(S0, REPLICATED, 0.5, 8, ring).seconds == pytest.approx(7e-3 + 0.5 * 7 / 8 / 1e9)
+
+
+def test_cpu_profile_prefers_one_collective_over_two_smaller_groups():
+    """Two collectives on 4- and 2-device axes cost more than one on 8 under the CPU profile
+    (the measured DTensor behaviour), unlike a GPU ring where latency grows with the group."""
+    link = CPU_VIRTUAL.intra_node
+    one = transfer(P, REPLICATED, 4096.0, 8, link).seconds
+    two = transfer(P, REPLICATED, 4096.0, 4, link).seconds + transfer(P, REPLICATED, 4096.0, 2, link).seconds
+    assert one < two
+    gpu = H100_NVLINK.intra_node
+    small = 64.0  # latency-bound
+    assert transfer(P, REPLICATED, small, 8, gpu).seconds > (transfer(P, REPLICATED, small, 4, gpu).seconds
+                                                           + transfer(P, REPLICATED, small, 2, gpu).seconds)
+
+
 def test_axis_link_follows_node_boundaries():
     mesh = MeshSpec((("a", 8), ("b", 8)))          # 64 devices, 8 per node
     assert H100_NVLINK.axis_link(mesh, 1) == H100_NVLINK.intra_node

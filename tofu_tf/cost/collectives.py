@@ -16,7 +16,9 @@ R -> S, R/S -> P   local slice / zero-pad      0                      0
 
 ``B`` is the tensor's bytes on a device as far as this axis is concerned (the
 size it has when replicated on this axis). Seconds are ``steps * latency +
-bytes / bandwidth`` of the axis's link.
+bytes / bandwidth`` of the axis's link, or ``latency + bytes / bandwidth`` on a
+link that pays its latency once per collective (``Link.latency_per_collective``:
+DTensor on CPU).
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ _STEPS = {
 
 def collective_cost(kind: Collective, nbytes: float, n: int, link: Link) -> Transfer:
     moved = _BYTES_FACTOR[kind](n) * nbytes
-    return Transfer(kind, moved, _STEPS[kind](n) * link.latency + moved / link.bandwidth)
+    steps = 1 if link.latency_per_collective else _STEPS[kind](n)
+    return Transfer(kind, moved, steps * link.latency + moved / link.bandwidth)
 
 
 @functools.lru_cache(maxsize=1 << 16)

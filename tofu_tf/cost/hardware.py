@@ -24,10 +24,20 @@ GB = 10**9
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """A link class: bytes per second per device (one direction) and per-message latency."""
+    """A link class: bytes per second per device (one direction) and a latency.
+
+    A GPU collective library runs a ring collective as n-1 (all-reduce: 2(n-1))
+    pipelined steps, each paying ``latency``, so a collective over a large group
+    costs more fixed time than one over a small group. DTensor on CPU hands the
+    whole collective to one call of TF's collective executor, whose fixed cost
+    hardly grows with the group (bench/calibrate_cpu.py: 2-3 ms for a 4 KiB
+    all-gather over 2, 4 or 8 devices alike); ``latency_per_collective=True``
+    charges ``latency`` once per collective for such links.
+    """
 
     bandwidth: float
     latency: float
+    latency_per_collective: bool = False
 
     def __post_init__(self):
         if self.bandwidth <= 0 or self.latency < 0:
@@ -77,16 +87,19 @@ PCIE_GPU = HardwareProfile(
     inter_node=Link(bandwidth=12.5 * GB, latency=20e-6),   # 100 Gb/s Ethernet/IB
     flops=50e12, memory_bandwidth=600 * GB)                 # a 24 GiB PCIe card (A10/L4 class), TF32
 # Calibrated on the project's 2-core machine, 8 virtual CPU devices, TF 2.21 DTensor
-# (bench/calibrate_cpu.py). Under load (other jobs sharing the cores): all-gathers of
-# 1/16/64 MiB took 16/127/710 ms, about 10 ms per collective plus ~0.1 GB/s, and a
-# replicated 16x4096x4096 matmul on every device 129 ms, ~4 GFLOP/s per device. On the
-# quiet machine: 2.5 ms + 0.13 GB/s and 7.8 GFLOP/s. The profile keeps the loaded
-# figures; the ratios that rank plans are close in both.
+# (bench/calibrate_cpu.py, other jobs sharing the cores, load average ~2): all-gathers and
+# all-reduces of 4 KiB / 256 KiB / 4 MiB over groups of 2, 4 and 8 devices fit
+# 2.1 ms per collective + ring bytes at 0.36 GB/s (19% mean error; charging the latency
+# per ring step instead fits at 47%); a replicated 16x4096x4096 matmul on every device
+# ran at 3.4 GFLOP/s per device and an Adam-like element-wise update at 0.47 GB/s
+# per device (quiet machine: 7.8 GFLOP/s). Profiles rank plans, so the round figures
+# below keep the measured ratios.
 CPU_VIRTUAL = HardwareProfile(
     "cpu-virtual", devices_per_node=1024, memory_bytes=3 * GIB,
-    intra_node=Link(bandwidth=0.1 * GB, latency=10e-3),    # DTensor collectives between virtual CPUs
-    inter_node=Link(bandwidth=0.1 * GB, latency=20e-3),    # loopback gRPC between processes
-    flops=4e9, memory_bandwidth=1 * GB)                     # two host cores shared by the devices
+    intra_node=Link(bandwidth=0.35 * GB, latency=2e-3,     # DTensor collectives between virtual CPUs
+                    latency_per_collective=True),
+    inter_node=Link(bandwidth=0.1 * GB, latency=20e-3),    # loopback gRPC between processes (not measured)
+    flops=4e9, memory_bandwidth=0.5 * GB)                   # two host cores shared by the devices
 
 PROFILES = {p.name: p for p in (H100_NVLINK, H200_NVLINK, PCIE_GPU, CPU_VIRTUAL)}
 
