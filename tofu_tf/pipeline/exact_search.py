@@ -66,6 +66,7 @@ with a large remainder), where the exact search slows down accordingly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import numpy as np
@@ -141,11 +142,16 @@ class _Search:
         self.model = model
         self.exact = model.monotone
         self.window_form = model.exact_form if self.exact else model.bound_form
-        self.weights = _shared_weights(self.window_form)
-        self.tables = GreedyTables(self.window_form, set(self.weights), _INF) if self.exact else None
+        self.tables = (GreedyTables(self.window_form, _shared_multipliers(self.window_form), _INF)
+                       if self.exact else None)
         self.reach = None
         if not self.exact and model.exact_form is not None and not any(model.exact_form.transient):
             self.reach = _ReachTables.build(model.exact_form)
+
+    @functools.cached_property
+    def weights(self) -> dict[int, list[int]]:
+        """``_shared_weights`` of the window form (for the layer-by-layer scans)."""
+        return _shared_weights(self.window_form)
 
     def solve(self) -> list[int]:
         model = self.model
@@ -274,11 +280,9 @@ class _ReachTables:
 
     @classmethod
     def build(cls, form: LinearForm) -> "_ReachTables":
-        def prefix(values):
-            return np.concatenate([[0], np.cumsum(np.asarray(values, dtype=np.int64))])
-        return cls(base=prefix(form.base), activation=prefix(form.activation),
-                   offset=np.asarray(form.offset + (0,), dtype=np.int64),
-                   multiplier=form.multiplier)
+        arrays = form.arrays
+        return cls(base=arrays.base, activation=arrays.activation,
+                   offset=np.append(arrays.offset, 0), multiplier=form.multiplier)
 
     def windows(self, piece: _Piece, bound: int, lo: list[int],
                 hi: list[int]) -> tuple[list[int], list[int]]:
@@ -443,16 +447,20 @@ class _LazyWeights:
         return self.base[layer] + self.k * self.activation[layer]
 
 
-def _shared_weights(form: LinearForm) -> dict[int, list[int]]:
-    """``base + k * activation`` per layer, for the multipliers k held by at
-    least a quarter of the stages (the greedy scans read them in its inner loop)."""
+def _shared_multipliers(form: LinearForm) -> set[int]:
+    """The multipliers held by at least a quarter of the stages."""
     counts: dict[int, int] = {}
     for k in form.multiplier:
         counts[k] = counts.get(k, 0) + 1
-    base = np.asarray(form.base, dtype=np.int64)
-    act = np.asarray(form.activation, dtype=np.int64)
-    return {k: (base + k * act).tolist() for k, n in counts.items()
-            if 4 * n >= len(form.multiplier)}
+    return {k for k, n in counts.items() if 4 * n >= len(form.multiplier)}
+
+
+def _shared_weights(form: LinearForm) -> dict[int, list[int]]:
+    """``base + k * activation`` per layer, for the multipliers k held by at
+    least a quarter of the stages (the greedy scans read them in its inner loop)."""
+    base = np.diff(form.arrays.base)
+    act = np.diff(form.arrays.activation)
+    return {k: (base + k * act).tolist() for k in _shared_multipliers(form)}
 
 
 def _scan_left(form: LinearForm, weight, cap: int, stop: int,
@@ -502,24 +510,31 @@ def _left_greedy(form: LinearForm, piece: _Piece, bound: int) -> list[int]:
 def _form_lower_bound(form: LinearForm, piece: _Piece) -> int:
     """No partition of the piece has a lower max: each layer must sit in a stage
     no later than its position allows, and the stages share the total."""
-    sl = slice(piece.start, piece.stop)
-    base, act = np.asarray(form.base[sl], np.int64), np.asarray(form.activation[sl], np.int64)
-    offset, top = np.asarray(form.offset[sl], np.int64), np.asarray(form.transient[sl], np.int64)
-    mult = np.asarray(form.multiplier[piece.first: piece.stop_stage], np.int64)
+    arrays = form.arrays
+    base = np.diff(arrays.base[piece.start: piece.stop + 1])
+    act = np.diff(arrays.activation[piece.start: piece.stop + 1])
+    offset = arrays.offset[piece.start: piece.stop]
+    mult = arrays.multiplier[piece.first: piece.stop_stage]
     latest = np.minimum(np.arange(piece.layers), piece.stages - 1)
-    single = int((base + mult[latest] * act + offset + top).max())
+    single = base + mult[latest] * act + offset
+    if arrays.transient_max is not None:
+        single = single + arrays.transient_max.table[0, piece.start: piece.stop]
     shared = int(base.sum() + mult.min() * act.sum() + piece.stages * min(0, int(offset.min())))
-    return max(single, -(-shared // piece.stages))
+    return max(int(single.max()), -(-shared // piece.stages))
 
 
 def _fluid_estimate(form: LinearForm, piece: _Piece) -> int:
     """The bound at which stages of average layers would hold the piece, each
     stage losing half a layer to rounding."""
-    sl = slice(piece.start, piece.stop)
-    layer = np.mean(form.base[sl]) + np.mean(form.offset[sl]) / 4
-    mult = np.asarray(form.multiplier[piece.first: piece.stop_stage], dtype=np.float64)
-    per_layer = np.maximum(layer + mult * np.mean(form.activation[sl]), 1.0)
-    bound = np.mean(form.transient[sl]) + (piece.layers + piece.stages / 2) / np.sum(1 / per_layer)
+    arrays, start, stop = form.arrays, piece.start, piece.stop
+    layer = ((arrays.base[stop] - arrays.base[start]) / piece.layers
+             + np.mean(arrays.offset[start:stop]) / 4)
+    mult = arrays.multiplier[piece.first: piece.stop_stage].astype(np.float64)
+    activation = (arrays.activation[stop] - arrays.activation[start]) / piece.layers
+    per_layer = np.maximum(layer + mult * activation, 1.0)
+    transient = (0.0 if arrays.transient_max is None
+                 else np.mean(arrays.transient_max.table[0, start:stop]))
+    bound = transient + (piece.layers + piece.stages / 2) / np.sum(1 / per_layer)
     return int(min(bound, _INF // 2))
 
 

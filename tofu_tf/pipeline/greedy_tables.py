@@ -27,6 +27,7 @@ steps instead of one per layer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -53,14 +54,18 @@ class GreedyTables:
     def __init__(self, form: LinearForm, shared: set[int], inf: int):
         self.form = form
         self.inf = inf
-        self.base = _prefix(form.base)
-        self.activation = _prefix(form.activation)
-        self.offset = np.asarray(form.offset, dtype=np.int64)
-        self.multiplier = np.asarray(form.multiplier, dtype=np.int64)
-        self.range_max = RangeMax.of(form.transient)
+        arrays = form.arrays
+        self.base = arrays.base
+        self.activation = arrays.activation
+        self.offset = arrays.offset
+        self.multiplier = arrays.multiplier
+        self.range_max: RangeMax | None = arrays.transient_max
         self.level = {k: self.base + k * self.activation for k in shared}
         self.floor = {k: level[:-1] - self.offset for k, level in self.level.items()}
-        self._lists = _ScalarCost(self)
+
+    @functools.cached_property
+    def _lists(self) -> "_ScalarCost":
+        return _ScalarCost(self)
 
     def cost(self, multiplier, start, stop) -> np.ndarray:
         """``c_k(start, stop)`` elementwise (``stop > start``)."""
@@ -159,8 +164,3 @@ class _ScalarCost:
             i -= 1
         return cap
 
-
-def _prefix(values) -> np.ndarray:
-    out = np.zeros(len(values) + 1, dtype=np.int64)
-    np.cumsum(np.asarray(values, dtype=np.int64), out=out[1:])
-    return out

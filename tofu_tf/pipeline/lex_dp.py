@@ -213,16 +213,19 @@ def _solve_long(model: StageCostModel, first_stage: int, pairs: _PairCosts, segm
     pairs. A boundary left with one such node splits the segment there (exact by
     union compatibility). Without a new split, the multiset keys solve it.
     """
-    forward, backward = _bottleneck_values(pairs, segment, valid)
-    bound = forward[-1][segment.exit]
+    grid = _Grid.of(pairs, segment, valid)
+    forward, backward = grid.bottleneck_values(segment.entry, segment.exit)
+    bound = int(forward[-1, segment.exit])
     if bound >= _INF:
         return None
-    alive = _prune(pairs, segment, valid, forward, backward, bound)
-    cuts = [segment.a] + [segment.a + t for t in range(1, len(alive) - 1)
-                          if len(alive[t]) == 1] + [segment.b]
+    alive = grid.prune(valid, forward, backward, bound)
+    counts = alive.sum(axis=1)
+    nodes = alive.argmax(axis=1).tolist()
+    pinned = (np.flatnonzero(counts[1:-1] == 1) + 1 + segment.a).tolist()
+    cuts = [segment.a, *pinned, segment.b]
     if len(cuts) == 2:
         return _keyed_segment(model, first_stage, pairs, segment, valid)
-    parts = [_Segment(a, b, entry=alive[a - segment.a][0], exit=alive[b - segment.a][0],
+    parts = [_Segment(a, b, entry=nodes[a - segment.a], exit=nodes[b - segment.a],
                       bound=bound) for a, b in zip(cuts, cuts[1:])]
     key_bits, weights = _ranked_weights(pairs, [(p.a, p.b) for p in parts], valid)
     starts: list[int] = []
@@ -235,41 +238,55 @@ def _solve_long(model: StageCostModel, first_stage: int, pairs: _PairCosts, segm
     return starts
 
 
-def _bottleneck_values(pairs: _PairCosts, segment: _Segment, valid: np.ndarray):
-    """Forward and backward min-max values of every node of the segment's windows."""
-    first, last = pairs.offsets[segment.a], pairs.offsets[segment.b]
-    costs = np.where(valid[first:last], pairs.costs[first:last], _INF).tolist()
-    stages = range(segment.a, segment.b)
-    forward = [[_INF] * pairs.rows[segment.a]]
-    forward[0][segment.entry] = 0
-    for t in stages:
-        rows, at, prev = pairs.rows[t], pairs.offsets[t] - first, forward[-1]
-        forward.append([min(map(max, prev, costs[at + c * rows: at + (c + 1) * rows]))
-                        for c in range(pairs.cols[t])])
-    backward = [[_INF] * pairs.cols[segment.b - 1]]
-    backward[0][segment.exit] = 0
-    for t in reversed(stages):
-        rows, at, after = pairs.rows[t], pairs.offsets[t] - first, backward[-1]
-        span = costs[at: at + rows * pairs.cols[t]]
-        backward.append([min(map(max, span[r::rows], after)) for r in range(rows)])
-    return forward, backward[::-1]
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+    """A segment's pair peaks padded to a (stages, width, width) array: entry
+    ``[t, r, c]`` is stage ``a + t`` from node r of its start window to node c
+    of its stop window, ``_INF`` where not a valid pair (or outside a window).
+    ``index`` maps the segment's flat pairs into the grid."""
 
+    costs: np.ndarray
+    index: np.ndarray
+    first: int
+    last: int
 
-def _prune(pairs, segment, valid, forward, backward, bound) -> list[list[int]]:
-    """Keep (in ``valid``) only pairs on paths within ``bound``; return each
-    boundary's surviving nodes."""
-    alive, before, after = [], [], []
-    for t in range(segment.a, segment.b + 1):
-        f, g = forward[t - segment.a], backward[t - segment.a]
-        alive.append([x for x in range(len(f)) if f[x] <= bound and g[x] <= bound])
-        if t < segment.b:  # per pair (stop-major): its start's forward, its stop's backward
-            rows = pairs.rows[t]
-            before += f * pairs.cols[t]
-            after += [v for v in backward[t + 1 - segment.a] for _ in range(rows)]
-    part = slice(pairs.offsets[segment.a], pairs.offsets[segment.b])
-    through = np.maximum(np.maximum(np.asarray(before), np.asarray(after)), pairs.costs[part])
-    valid[part] &= through <= bound
-    return alive
+    @classmethod
+    def of(cls, pairs: _PairCosts, segment: _Segment, valid: np.ndarray) -> "_Grid":
+        a, b = segment.a, segment.b
+        first, last = pairs.offsets[a], pairs.offsets[b]
+        rows, cols = np.asarray(pairs.rows[a:b]), np.asarray(pairs.cols[a:b])
+        width = int(max(rows.max(), cols.max()))
+        stage = np.repeat(np.arange(b - a), rows * cols)
+        local = np.arange(last - first) - (np.asarray(pairs.offsets[a:b]) - first)[stage]
+        per_stage = rows[stage]
+        index = (stage * width + local % per_stage) * width + local // per_stage
+        grid = np.full((b - a) * width * width, _INF, dtype=np.int64)
+        grid[index] = np.where(valid[first:last], pairs.costs[first:last], _INF)
+        return cls(costs=grid.reshape(b - a, width, width), index=index, first=first, last=last)
+
+    def bottleneck_values(self, entry: int, exit: int) -> tuple[np.ndarray, np.ndarray]:
+        """Forward and backward min-max values, (stages + 1, width), of every node."""
+        stages, width, _ = self.costs.shape
+        forward = np.full((stages + 1, width), _INF, dtype=np.int64)
+        backward = np.full((stages + 1, width), _INF, dtype=np.int64)
+        forward[0, entry] = 0
+        backward[stages, exit] = 0
+        scratch = np.empty((width, width), dtype=np.int64)
+        for t in range(stages):
+            np.maximum(forward[t][:, None], self.costs[t], out=scratch)
+            scratch.min(axis=0, out=forward[t + 1])
+        for t in range(stages - 1, -1, -1):
+            np.maximum(self.costs[t], backward[t + 1][None, :], out=scratch)
+            scratch.min(axis=1, out=backward[t])
+        return forward, backward
+
+    def prune(self, valid: np.ndarray, forward: np.ndarray, backward: np.ndarray,
+              bound: int) -> np.ndarray:
+        """Keep (in ``valid``) only pairs on paths within ``bound``; return which
+        nodes of each boundary survive, (stages + 1, width)."""
+        through = np.maximum(np.maximum(forward[:-1, :, None], self.costs), backward[1:, None, :])
+        valid[self.first:self.last] &= through.ravel()[self.index] <= bound
+        return (forward <= bound) & (backward <= bound)
 
 
 def _keyed_segment(model: StageCostModel, first_stage: int, pairs: _PairCosts,

@@ -128,7 +128,7 @@ def partition(stats: Sequence[LayerStats], num_stages: int, *, schedule: "Schedu
 
 def _boundaries(method: Method, chain, num_stages, schedule, num_microbatches) -> tuple[int, ...]:
     if method is Method.OPTIMAL:
-        model = StageCostModel.build(chain, num_stages, schedule, num_microbatches)
+        model = StageCostModel.for_chain(chain, num_stages, schedule, num_microbatches)
         return optimal_boundaries(model)
     if method is Method.UNIFORM:
         return uniform_boundaries(len(chain), num_stages)

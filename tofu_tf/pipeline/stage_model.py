@@ -129,6 +129,31 @@ class LinearForm:
     transient: tuple[int, ...]
     multiplier: tuple[int, ...]  # one per stage index
 
+    @functools.cached_property
+    def arrays(self) -> "FormArrays":
+        """The same figures as numpy arrays (prefix sums where the search sums ranges)."""
+        return FormArrays.of(self)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FormArrays:
+    """A ``LinearForm`` in numpy: ``base`` and ``activation`` as prefix sums (entry
+    i sums layers ``[0, i)``), ``offset`` per layer, the transients' range maxima
+    (None when all are 0) and the multipliers."""
+
+    base: np.ndarray
+    activation: np.ndarray
+    offset: np.ndarray
+    transient_max: "RangeMax | None"
+    multiplier: np.ndarray
+
+    @classmethod
+    def of(cls, form: LinearForm) -> "FormArrays":
+        return cls(base=_prefix(form.base), activation=_prefix(form.activation),
+                   offset=np.fromiter(form.offset, np.int64, len(form.offset)),
+                   transient_max=RangeMax.of(form.transient),
+                   multiplier=np.asarray(form.multiplier, dtype=np.int64))
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StageCostModel:
@@ -150,7 +175,12 @@ class StageCostModel:
     @classmethod
     def build(cls, stats: Sequence[LayerStats], num_stages: int, schedule: "Schedule | str",
               num_microbatches: int) -> "StageCostModel":
-        chain = validate_chain(stats)
+        return cls.for_chain(validate_chain(stats), num_stages, schedule, num_microbatches)
+
+    @classmethod
+    def for_chain(cls, chain: tuple[LayerStats, ...], num_stages: int,
+                  schedule: "Schedule | str", num_microbatches: int) -> "StageCostModel":
+        """``build`` for a chain ``validate_chain`` already returned."""
         check_pipeline_shape(num_stages, num_microbatches)
         schedule = Schedule.from_user(schedule)
         inflight = tuple(_inflight(r, num_stages, schedule, num_microbatches)
@@ -190,7 +220,11 @@ class StageCostModel:
 
     @functools.cached_property
     def _arrays(self) -> dict:
-        return _prefix_arrays(self._columns, self.inflight)
+        if any(self._columns.measured):
+            return _prefix_arrays(self._columns, self.inflight)
+        form = self.exact_form.arrays  # the analytic form holds the same prefix sums
+        return {"inflight": np.asarray(self.inflight, dtype=np.int64), "state": form.base,
+                "act": form.activation, "measured": None, "range_max": form.transient_max}
 
     def peaks(self, stage, start, stop) -> np.ndarray:
         """int64 peaks for broadcastable arrays of stage indices and [start, stop) ranges.
@@ -226,13 +260,14 @@ class _Columns:
     def of(cls, chain: Sequence[LayerStats]) -> "_Columns":
         isolated = [l.isolated_bytes for l in chain]
         added = [l.added_bytes for l in chain]
+        measured = tuple([i is not None and a is not None for i, a in zip(isolated, added)])
+        if not all(measured):
+            isolated = [x or 0 for x in isolated]
+            added = [x or 0 for x in added]
         return cls(state=tuple([l.state_bytes for l in chain]),
                    activation=tuple([l.activation_bytes for l in chain]),
                    transient=tuple([l.transient_bytes for l in chain]),
-                   isolated=tuple([x or 0 for x in isolated]),
-                   added=tuple([x or 0 for x in added]),
-                   measured=tuple([i is not None and a is not None
-                                   for i, a in zip(isolated, added)]))
+                   isolated=tuple(isolated), added=tuple(added), measured=measured)
 
 
 def _check_magnitude(columns: _Columns, max_inflight: int) -> None:
@@ -275,7 +310,7 @@ def _bound_form(columns: _Columns, inflight) -> LinearForm:
 
 def _prefix(values) -> np.ndarray:
     out = np.zeros(len(values) + 1, dtype=np.int64)
-    np.cumsum(np.asarray(values, dtype=np.int64), out=out[1:])
+    np.cumsum(np.fromiter(values, np.int64, len(values)), out=out[1:])
     return out
 
 
@@ -305,7 +340,7 @@ class RangeMax:
     @classmethod
     def of(cls, values) -> "RangeMax | None":
         """The table, or None when every value is 0 (every range maximum is 0)."""
-        base = np.asarray(values, dtype=np.int64)
+        base = np.fromiter(values, np.int64, len(values))
         if not base.any():
             return None
         rows = [base]
