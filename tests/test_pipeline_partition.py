@@ -239,6 +239,39 @@ def test_table_probes_keep_the_search_exact(monkeypatch):
             _peak_table(layers, p, "1f1b", m), n, p), (trial, kind)
 
 
+def test_scalar_first_fit_equals_a_leftward_scan():
+    """The binary search of a rarely used multiplier's first fit (greedy_tables)
+    against the plain scan it replaces, on monotone chains with large
+    transients (which move the answer right of the transient-free search)."""
+    rng = np.random.default_rng(81)
+    for trial in range(120):
+        kind = ["analytic", "monotone"][trial % 2]
+        n = int(rng.integers(2, 30))
+        layers = _random_chain(rng, n, kind, scale=int(rng.choice([1, 10, 1000])))
+        if kind == "analytic" and trial % 4 == 0:  # a few tall transients
+            layers = [_layer(i, l.state_bytes, l.activation_bytes,
+                             l.transient_bytes * int(rng.choice([1, 50])))
+                      for i, l in enumerate(layers)]
+        model = search_module.StageCostModel.build(layers, 2, "1f1b", 2)
+        if not model.monotone:
+            continue
+        form = model.exact_form
+        tables = search_module.GreedyTables(form, set(), search_module._INF)
+        for _ in range(8):
+            k = int(rng.integers(0, 5))
+            stop = int(rng.integers(1, n + 1))
+            cap = int(rng.integers(0, stop))
+            bound = int(rng.integers(0, 2 * max(1, int(model.peaks(0, 0, n)))))
+            expected = stop
+            for i in range(stop - 1, cap - 1, -1):
+                cost = (sum(form.base[i:stop]) + k * sum(form.activation[i:stop])
+                        + form.offset[i] + max(form.transient[i:stop]))
+                if cost > bound:
+                    break
+                expected = i
+            assert tables._lists.first_fit(k, cap, stop, bound) == expected, (trial, k, cap, stop)
+
+
 def test_huge_blocks_are_processed_in_column_slices(monkeypatch):
     monkeypatch.setattr(dp_module, "_BLOCK_ENTRIES", 4)
     monkeypatch.setattr(dp_module, "_SMALL_BLOCK", 0)

@@ -147,20 +147,39 @@ class _ScalarCost:
         self.activation = tables.activation.tolist()
         self.offset = tables.offset.tolist()
         rmax = tables.range_max
-        self.levels = None if rmax is None else rmax.table[:1].tolist()
+        self.transient = None if rmax is None else rmax.table[0].tolist()
 
     def first_fit(self, k: int, cap: int, stop: int, bound: int) -> int:
-        """First layer ``i >= cap`` with ``c_k(i, stop) <= bound``, or ``stop``: a
-        scan leftwards from ``stop`` (the stage's own layers only)."""
-        base, act, offset = self.base, self.activation, self.offset
-        level = base[stop] + k * act[stop]
-        top, i = 0, stop - 1
-        row = self.levels[0] if self.levels is not None else None
-        while i >= cap:
-            if row is not None and row[i] > top:
-                top = row[i]
-            if level - base[i] - k * act[i] + offset[i] + top > bound:
-                return i + 1
-            i -= 1
-        return cap
+        """First layer ``i >= cap`` with ``c_k(i, stop) <= bound``, or ``stop``.
 
+        The cost never grows with ``i`` (monotone form), so a binary search
+        finds it: first without the transients (``c_k`` is then
+        ``P_k(stop) - g(i)`` with ``g`` non-decreasing), which only move the
+        answer right; then, unless that layer already fits with its transient
+        maximum, over the rest with the maximum taken by ``max`` on a slice."""
+        base, act, offset = self.base, self.activation, self.offset
+        need = base[stop] + k * act[stop] - bound  # fits iff g(i) - top(i) >= need
+        low, high = cap, stop
+        while low < high:
+            mid = (low + high) // 2
+            if base[mid] + k * act[mid] - offset[mid] >= need:
+                high = mid
+            else:
+                low = mid + 1
+        transient = self.transient
+        if transient is None or low == stop:
+            return low
+
+        def fits(i: int) -> bool:
+            return base[i] + k * act[i] - offset[i] - max(transient[i:stop]) >= need
+
+        if fits(low):
+            return low
+        low, high = low + 1, stop
+        while low < high:
+            mid = (low + high) // 2
+            if fits(mid):
+                high = mid
+            else:
+                low = mid + 1
+        return low
