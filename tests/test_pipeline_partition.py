@@ -225,6 +225,31 @@ def test_table_probes_equal_layer_by_layer_probes(monkeypatch):
             assert fast == slow, (trial, int(bound))
 
 
+def test_table_left_greedy_equals_layer_by_layer(monkeypatch):
+    """The left greedy from tables (windows' upper ends) equals the layer-by-layer
+    stretch, with shared and rare multipliers, at bounds around the min-max."""
+    rng = np.random.default_rng(78)
+    for trial in range(150):
+        kind = ["analytic", "monotone"][trial % 2]
+        n = int(rng.integers(2, 40))
+        p = int(rng.integers(1, min(n, 8) + 1))
+        layers = _random_chain(rng, n, kind, scale=int(rng.choice([1, 10, 1000])))
+        if trial % 3 == 0:  # tall transients
+            layers = [_layer(i, l.state_bytes, l.activation_bytes,
+                             l.transient_bytes * int(rng.choice([1, 40])), l.isolated_bytes,
+                             l.added_bytes) for i, l in enumerate(layers)]
+        model = search_module.StageCostModel.build(layers, p, "1f1b", int(rng.integers(1, 9)))
+        if not model.monotone:
+            continue
+        form = model.exact_form
+        shared = search_module._shared_multipliers(form) if trial % 4 else set()
+        tables = search_module.GreedyTables(form, shared, search_module._INF)
+        piece = search_module._Piece(0, n, 0, p)
+        for bound in rng.integers(0, 3 * max(1, int(model.peaks(0, 0, n))), 6):
+            assert (tables.left_greedy(0, n, 0, p, int(bound))
+                    == search_module._left_greedy(form, piece, int(bound))), (trial, int(bound))
+
+
 def test_table_probes_keep_the_search_exact(monkeypatch):
     monkeypatch.setattr(search_module, "_TABLE_MIN_LAYERS", 0)
     rng = np.random.default_rng(41)

@@ -224,7 +224,11 @@ class _Search:
         if greedy_starts is None:
             greedy_starts = self._probe(piece, bound).starts
         lo = greedy_starts + [piece.stop]
-        hi = _left_greedy(self.window_form, piece, bound)
+        if self.tables is None or piece.layers < _TABLE_MIN_LAYERS or not self.tables.level:
+            hi = _left_greedy(self.window_form, piece, bound)
+        else:
+            hi = self.tables.left_greedy(piece.start, piece.stop, piece.first, piece.stop_stage,
+                                         bound)
         if self.reach is not None:
             lo, hi = self.reach.windows(piece, bound, lo, hi)
         if any(l > h for l, h in zip(lo, hi)):

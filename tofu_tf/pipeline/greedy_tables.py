@@ -107,6 +107,64 @@ class GreedyTables:
             low = np.where(open_ & ~fits, mid + 1, low)
         first[live] = low
 
+    def last_fit(self, k: int, start: int, stop: int, bound: int) -> list[int]:
+        """For each start ``i`` in ``[start, stop]``, the last end ``j`` in ``[i, stop]``
+        with ``j == i`` or ``c_k(i, j) <= bound``; entry ``i - start``."""
+        begins = np.arange(start, stop + 1)
+        level = self.level[k]
+        lead = np.append(self.offset, 0)[begins]
+        last = np.searchsorted(level[:stop + 1], bound + level[begins] - lead, side="right") - 1
+        last = np.maximum(last, begins)
+        if self.range_max is not None:
+            self._before_transients(k, begins, last, bound)
+        return last.tolist()
+
+    def _before_transients(self, k: int, begins: np.ndarray, last: np.ndarray,
+                           bound: int) -> None:
+        """Move each ``last`` back to where the transient maximum fits too (in place)."""
+        live = np.flatnonzero(last > begins)
+        for _ in range(_LINEAR_STEPS):
+            over = self.cost(k, begins[live], last[live]) > bound
+            live = live[over]
+            last[live] -= 1
+            live = live[last[live] > begins[live]]
+            if not live.size:
+                return
+        low, high, starts = begins[live], last[live], begins[live]
+        while True:  # invariant: low == start or cost(low) fits; cost(j) over bound for j > high
+            open_ = low < high
+            if not open_.any():
+                break
+            mid = (low + high + 1) // 2
+            fits = np.zeros(len(mid), dtype=bool)
+            fits[open_] = self.cost(k, starts[open_], mid[open_]) <= bound
+            low = np.where(open_ & fits, mid, low)
+            high = np.where(open_ & ~fits, mid - 1, high)
+        last[live] = low
+
+    def left_greedy(self, start: int, stop: int, first_stage: int, stop_stage: int,
+                    bound: int) -> list[int]:
+        """Largest position of each boundary over partitions within ``bound``
+        (``exact_search._left_greedy``): stage b extends from the previous boundary
+        while it fits, leaving one layer for each later stage, or stays put."""
+        multipliers = self.form.multiplier[first_stage:stop_stage]
+        stages = len(multipliers)
+        tables = {k: self.last_fit(k, start, stop, bound)
+                  for k in set(multipliers) if k in self.level}
+        hi = [start]
+        at = start
+        for b in range(stages - 1):
+            k = multipliers[b]
+            cap = stop - (stages - 1 - b)
+            if at < cap:
+                table = tables.get(k)
+                reach = (table[at - start] if table is not None
+                         else self._lists.last_fit(k, at, cap, bound))
+                at = min(reach, cap)
+            hi.append(at)
+        hi.append(stop)
+        return hi
+
     def right_greedy(self, start: int, stop: int, first_stage: int, stop_stage: int,
                      bound: int) -> GreedyOutcome:
         """Stages ``[first_stage, stop_stage)`` over layers ``[start, stop)``: from the
@@ -159,7 +217,14 @@ class _ScalarCost:
         maximum, over the rest with the maximum taken by ``max`` on a slice."""
         base, act, offset = self.base, self.activation, self.offset
         need = base[stop] + k * act[stop] - bound  # fits iff g(i) - top(i) >= need
-        low, high = cap, stop
+        high, step = stop, 1  # gallop leftwards: the stage is short next to the range
+        while high - step >= cap:
+            at = high - step
+            if base[at] + k * act[at] - offset[at] < need:
+                break
+            high = at
+            step *= 2
+        low = max(high - step, cap - 1) + 1
         while low < high:
             mid = (low + high) // 2
             if base[mid] + k * act[mid] - offset[mid] >= need:
@@ -182,4 +247,39 @@ class _ScalarCost:
                 high = mid
             else:
                 low = mid + 1
+        return low
+
+    def last_fit(self, k: int, start: int, cap: int, bound: int) -> int:
+        """Last end ``j`` in ``[start, cap]`` with ``j == start`` or
+        ``c_k(start, j) <= bound``: binary searches as in ``first_fit``, the
+        cost never dropping as the stage grows (transients only move it left)."""
+        base, act = self.base, self.activation
+        room = bound + base[start] + k * act[start] - self.offset[start]
+        low, step = start, 1  # gallop: the stage is short next to the range
+        while low + step <= cap and base[low + step] + k * act[low + step] <= room:
+            low += step
+            step *= 2
+        high = min(low + step, cap + 1) - 1
+        while low < high:
+            mid = (low + high + 1) // 2
+            if base[mid] + k * act[mid] <= room:
+                low = mid
+            else:
+                high = mid - 1
+        transient = self.transient
+        if transient is None or low == start:
+            return low
+
+        def fits(j: int) -> bool:
+            return base[j] + k * act[j] + max(transient[start:j]) <= room
+
+        if fits(low):
+            return low
+        low, high = start, low - 1
+        while low < high:
+            mid = (low + high + 1) // 2
+            if fits(mid):
+                low = mid
+            else:
+                high = mid - 1
         return low
