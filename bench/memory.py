@@ -20,10 +20,15 @@ Each run is its own process (peak RSS is per process); the table shows the media
   other jobs share the machine;
 * ``step ms``: median step once traced (a second ``fit`` of --steps steps).
 
+A second table (``--side_by_side``, default on) trains the hand-written plan and each
+TofuStrategy method in *one* process and alternates their fits, step by step timing each:
+a steady-step ratio measured side by side, which drift in machine load cannot tilt.
+
 Run:
     python bench/memory.py [--repeats=3] [--methods=data_parallel,megatron_layoutmap,tofu]
 """
 
+import functools
 import json
 import os
 import resource
@@ -45,6 +50,9 @@ flags.DEFINE_integer("width", 4096, "MLP width.")
 flags.DEFINE_integer("depth", 4, "Hidden layers.")
 flags.DEFINE_integer("batch_size", 16, "Global batch size.")
 flags.DEFINE_integer("steps", 4, "Fit steps (the first includes tracing).")
+flags.DEFINE_bool("side_by_side", True, "Also time steady steps of the hand-written plan and the "
+                  "TofuStrategy methods alternating in one process.")
+flags.DEFINE_integer("side_by_side_rounds", 5, "Alternating fits per model in the side-by-side table.")
 FLAGS = flags.FLAGS
 
 NUM_DEVICES = 8
@@ -113,11 +121,11 @@ def _timed_fits(keras, model, build_seconds, cpu_start, fit):
             "step_seconds": statistics.median(steps)}
 
 
-def _run_megatron_layoutmap():
+def _megatron_layoutmap_model():
+    """The hand-written plan: a model under a LayoutMap, DTensor Adam, a DTensorDataset."""
     import tensorflow as tf
     import tf_keras as keras
     from tensorflow.experimental import dtensor
-    start, cpu_start = time.perf_counter(), time.process_time()
     mesh = dtensor.create_mesh([("batch", 1), ("model", NUM_DEVICES)], devices=[f"CPU:{i}" for i in range(NUM_DEVICES)])
     keras.utils.set_random_seed(0)
     layout_map = keras.dtensor.experimental.LayoutMap(mesh=mesh)
@@ -130,15 +138,21 @@ def _run_megatron_layoutmap():
         model = _build(keras)
     model.compile(optimizer=keras.dtensor.experimental.optimizers.Adam(mesh=mesh),
                   loss="sparse_categorical_crossentropy")
-    build_seconds = time.perf_counter() - start
     x, y = _data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y))
     layouts = (dtensor.Layout.batch_sharded(mesh, "batch", 2), dtensor.Layout.batch_sharded(mesh, "batch", 1))
     dataset = dtensor.DTensorDataset(dataset=dataset, mesh=mesh, layouts=layouts,
                                      global_batch_size=FLAGS.batch_size, batch_dim="batch",
                                      dataset_already_batched=False)
-    return _timed_fits(keras, model, build_seconds, cpu_start,
-                       lambda **kw: model.fit(dataset, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0, **kw))
+    return model, lambda **kw: model.fit(dataset, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0, **kw)
+
+
+def _run_megatron_layoutmap():
+    import tf_keras as keras
+    start, cpu_start = time.perf_counter(), time.process_time()
+    model, fit = _megatron_layoutmap_model()
+    build_seconds = time.perf_counter() - start
+    return _timed_fits(keras, model, build_seconds, cpu_start, fit)
 
 
 def _run_tofu(method="tofu"):
@@ -149,22 +163,62 @@ def _run_tofu(method="tofu"):
     return timings
 
 
+def _run_side_by_side():
+    """Steady steps of the hand-written plan and each TofuStrategy method, alternating in one
+    process; returns per method the median wall and CPU seconds of a step."""
+    import tf_keras as keras
+    from tofu_tf import TofuStrategy
+    fits = {"megatron_layoutmap": _megatron_layoutmap_model()[1]}
+    x, y = _data()
+    for method in [m for m in FLAGS.methods if m in TOFU_METHODS]:
+        with TofuStrategy(NUM_DEVICES, method=TOFU_METHODS[method]).scope():
+            model = _build(keras)
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        fits[method] = functools.partial(model.fit, x, y, batch_size=FLAGS.batch_size, epochs=1, verbose=0,
+                                         shuffle=False)
+    stamps = []
+
+    class StepClock(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            stamps.append((time.perf_counter(), time.process_time()))
+
+        def on_train_batch_end(self, batch, logs=None):
+            stamps.append((time.perf_counter(), time.process_time()))
+
+    for fit in fits.values():  # trace and warm up each
+        fit()
+    steps = {method: [] for method in fits}
+    for _ in range(FLAGS.side_by_side_rounds):
+        for method, fit in fits.items():
+            stamps.clear()
+            fit(callbacks=[StepClock()])
+            steps[method] += [(end[0] - begin[0], end[1] - begin[1]) for begin, end in zip(stamps[::2], stamps[1::2])]
+    return {method: {"step_seconds": statistics.median(w for w, _ in runs),
+                     "step_cpu_seconds": statistics.median(c for _, c in runs), "steps": len(runs)}
+            for method, runs in steps.items()}
+
+
+TOFU_METHODS = {"tofu": "tofu", "tofu_megatron": "megatron"}
 RUNNERS = {"data_parallel": _run_data_parallel, "megatron_layoutmap": _run_megatron_layoutmap, "tofu": _run_tofu,
            # the Megatron pattern chosen through TofuStrategy: separates the plan from the machinery
-           "tofu_megatron": lambda: _run_tofu("megatron")}
+           "tofu_megatron": lambda: _run_tofu("megatron"), "side_by_side": _run_side_by_side}
 
 
 def _child(method):
     from tofu_tf.tf import devices
     devices.configure_virtual_cpus(NUM_DEVICES)
     timings = RUNNERS[method]()
+    if method == "side_by_side":
+        print(json.dumps(timings))
+        return
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     print(json.dumps({"method": method, "peak_rss_bytes": peak, **timings}))
 
 
 def _measure(method):
     args = [sys.executable, os.path.abspath(__file__), f"--run={method}", f"--width={FLAGS.width}",
-            f"--depth={FLAGS.depth}", f"--batch_size={FLAGS.batch_size}", f"--steps={FLAGS.steps}"]
+            f"--depth={FLAGS.depth}", f"--batch_size={FLAGS.batch_size}", f"--steps={FLAGS.steps}",
+            f"--methods={','.join(FLAGS.methods)}", f"--side_by_side_rounds={FLAGS.side_by_side_rounds}"]
     out = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
     if out.returncode != 0:
         raise RuntimeError(f"{method} failed:\n{out.stderr[-3000:]}")
@@ -202,6 +256,18 @@ def main(argv):
                      f"{m['step_seconds'] / base['step_seconds']:>13.2f}")
         print(f"{method:<22}{m['peak_rss_bytes'] / 2**30:>14.2f}{m['build_seconds']:>9.1f}{m['fit_seconds']:>8.1f}"
               f"{m['total_seconds']:>9.1f}{m['total_cpu_seconds']:>7.1f}{m['step_seconds'] * 1e3:>9.0f}{ratio}")
+    if FLAGS.side_by_side and "megatron_layoutmap" in FLAGS.methods and set(FLAGS.methods) & set(TOFU_METHODS):
+        _print_side_by_side(_measure("side_by_side"))
+
+
+def _print_side_by_side(steps):
+    base = steps["megatron_layoutmap"]
+    print(f"\nSteady steps side by side in one process ({FLAGS.side_by_side_rounds} alternating fits of "
+          f"{FLAGS.steps} steps each; median step)")
+    print(f"{'method':<22}{'step ms':>9}{'step cpu ms':>13}{'step / hand':>13}{'cpu / hand':>12}")
+    for method, m in steps.items():
+        print(f"{method:<22}{m['step_seconds'] * 1e3:>9.0f}{m['step_cpu_seconds'] * 1e3:>13.0f}"
+              f"{m['step_seconds'] / base['step_seconds']:>13.2f}{m['step_cpu_seconds'] / base['step_cpu_seconds']:>12.2f}")
 
 
 if __name__ == "__main__":

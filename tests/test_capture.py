@@ -170,3 +170,23 @@ def test_every_op_input_is_a_known_tensor(captured):
     for op in graph.ops:
         for name in op.inputs:
             assert name in graph.tensors, (op.name, name)
+
+
+class _SignGate(keras.layers.Layer):
+    """Branches in Python on a tensor: needs AutoGraph to trace."""
+
+    def call(self, x):
+        if tf.reduce_sum(x) > 0:
+            return x * 2.0
+        return -x
+
+
+def test_python_control_flow_on_tensors_is_traced_with_autograph():
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(3, name="out")(_SignGate()(keras.layers.Dense(4, name="d")(inputs))))
+    graph = tofu_tf.capture_training_step(model, batch_size=2, loss="mse", optimizer="sgd")
+    types = {op.type for op in graph.ops}
+    assert "If" in types or "StatelessIf" in types  # the branch became a graph conditional
+    assert {v.path for v in graph.variables.values() if v.kind is ir.VariableKind.WEIGHT} == {
+        "d/kernel", "d/bias", "out/kernel", "out/bias"}
+    assert all(v.gradient for v in graph.variables.values() if v.kind is ir.VariableKind.WEIGHT)
