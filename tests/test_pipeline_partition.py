@@ -297,6 +297,35 @@ def test_scalar_first_fit_equals_a_leftward_scan():
             assert tables._lists.first_fit(k, cap, stop, bound) == expected, (trial, k, cap, stop)
 
 
+def test_ranked_keys_order_paths_like_their_descending_peaks():
+    """Sum of ranked weights (digit fields as wide as a peak's possible count)
+    orders every path of a segment exactly as its descending-sorted peaks, with
+    many tied peaks; a path through a pair that is not valid weighs more."""
+    rng = np.random.default_rng(64)
+    for trial in range(200):
+        stages = int(rng.integers(1, 6))
+        sizes = [1] + [int(rng.integers(1, 4)) for _ in range(stages - 1)] + [1]
+        rows, cols = sizes[:-1], sizes[1:]
+        offsets = np.concatenate([[0], np.cumsum(np.multiply(rows, cols))]).tolist()
+        costs = rng.integers(0, int(rng.choice([2, 4, 50])), offsets[-1]).astype(np.int64)
+        valid = rng.random(offsets[-1]) < 0.85
+        pairs = dp_module._PairCosts(lo=[0] * (stages + 1), rows=rows, cols=cols,
+                                     offsets=offsets, costs=costs, valid=valid)
+        (key_bits,), weights = dp_module._ranked_weights(pairs, [(0, stages)], valid)
+        paths = []
+        for inner in itertools.product(*[range(n) for n in sizes[1:-1]]):
+            nodes = (0, *inner, 0)
+            entries = [offsets[t] + nodes[t + 1] * rows[t] + nodes[t] for t in range(stages)]
+            key = sum(weights[e] for e in entries)
+            if all(valid[e] for e in entries):
+                paths.append((key, _lex_key([int(costs[e]) for e in entries])))
+            else:
+                assert key >= 1 << key_bits, trial
+        for (key_a, lex_a), (key_b, lex_b) in itertools.combinations(paths, 2):
+            assert (key_a < key_b) == (lex_a < lex_b), trial
+            assert (key_a == key_b) == (lex_a == lex_b), trial
+
+
 def test_huge_blocks_are_processed_in_column_slices(monkeypatch):
     monkeypatch.setattr(dp_module, "_BLOCK_ENTRIES", 4)
     monkeypatch.setattr(dp_module, "_SMALL_BLOCK", 0)

@@ -13,15 +13,19 @@ independently; by union compatibility their optima together are the piece's.
 
 Ranked keys (the fast path). Within a segment of ``S`` stages, number the
 distinct peaks its (start, stop) pairs can take ``0, 1, 2, ...`` in increasing
-order and give a stage of rank ``q`` the weight ``2 ** (bits * q)`` with
-``2 ** bits > S``. A path's multiset of peaks then maps to the sum of its
-weights: a number whose base-``2 ** bits`` digits count the peaks of each rank
-(no digit carries, as no count reaches ``2 ** bits``). Comparing two such sums
-compares the counts from the largest peak down: exactly the lexicographic order
-of the descending-sorted peak vectors. The DP becomes a plain min-plus chain DP
-over Python integers, ``F_{r+1}(j) = min_i F_r(i) + weight(i, j)``, whose
-additions and comparisons run in C. A pair over the bound weighs more than any
-path (``2 ** (bits * ranks)``).
+order and give rank ``q`` a binary digit field of ``w_q`` bits, wide enough for
+the most stages of that peak one path can hold: ``2 ** w_q > min(S, n_q)``
+with ``n_q`` the pairs of that peak (a path takes one pair per stage). A stage
+of rank ``q`` weighs ``2 ** o_q``, ``o_q`` the total width of the lower ranks. A
+path's multiset of peaks then maps to the sum of its weights: a number whose
+fields count the peaks of each rank (no field carries, as no count reaches
+``2 ** w_q``). Comparing two such sums compares the counts from the largest
+peak down: exactly the lexicographic order of the descending-sorted peak
+vectors. The DP becomes a plain min-plus chain DP over Python integers,
+``F_{r+1}(j) = min_i F_r(i) + weight(i, j)``, whose additions and comparisons
+run in C. Distinct peaks (the usual case) take one bit each, so keys stay
+about as long as the segment has distinct peaks. A pair over the bound weighs
+more than any path (``2 ** sum_q w_q``).
 
 Multiset keys (the fallback, for segments whose ranked keys would be too long:
 many distinct peaks and many stages, or blocks too large to hold at once). A
@@ -143,9 +147,10 @@ def _segments(lo: list[int], hi: list[int]) -> list[tuple[int, int]]:
 def _ranked_weights(pairs: _PairCosts, segments: list[tuple[int, int]],
                     valid: np.ndarray) -> tuple[list[int | None], list]:
     """Per segment its key length in bits (None when over ``_MAX_KEY_BITS``), and
-    per pair of a segment that fits ``2 ** (bits * rank of its peak in the
-    segment)``, or ``2 ** key_bits`` (heavier than any path) for a pair that is
-    not valid. Pairs outside the segments, or of segments that do not fit, weigh 1."""
+    per pair of a segment that fits ``2 ** (offset of its peak's rank)``, or
+    ``2 ** key_bits`` (heavier than any path) for a pair that is not valid
+    (module docstring). Pairs outside the segments, or of segments that do not
+    fit, weigh 1."""
     count = len(segments)
     first, last = pairs.offsets[segments[0][0]], pairs.offsets[segments[-1][1]]
     costs, valid = pairs.costs[first:last], valid[first:last]
@@ -156,15 +161,20 @@ def _ranked_weights(pairs: _PairCosts, segments: list[tuple[int, int]],
     seg_sorted, cost_sorted = segment_of[order], costs[order]
     fresh = np.ones(len(order), dtype=bool)
     fresh[1:] = (np.diff(seg_sorted) != 0) | (np.diff(cost_sorted) != 0)
-    dense = np.cumsum(fresh) - 1
-    distinct = np.bincount(seg_sorted[fresh], minlength=count)
-    first_dense = np.zeros(count, dtype=np.int64)
-    np.cumsum(distinct[:-1], out=first_dense[1:])
-    bits = np.asarray([(b - a).bit_length() for a, b in segments], dtype=np.int64)
-    key_bits = bits * distinct
+    rank = np.cumsum(fresh) - 1  # distinct (segment, peak), over all segments
+    # digit width of a rank: enough for the most pairs of that peak one path can
+    # hold (one per stage, so at most the segment's stages or the peak's pairs)
+    stages = np.asarray([b - a for a, b in segments], dtype=np.int64)
+    most = np.minimum(np.bincount(rank), stages[seg_sorted[fresh]])
+    width = np.frexp(most.astype(np.float64))[1].astype(np.int64)  # bit_length
+    digit = np.zeros(len(width) + 1, dtype=np.int64)
+    np.cumsum(width, out=digit[1:])
+    segment_digit = np.zeros(count + 1, dtype=np.int64)  # first digit of each segment
+    segment_digit[1:] = np.bincount(seg_sorted[fresh], weights=width, minlength=count).cumsum()
+    key_bits = np.diff(segment_digit)
     usable = key_bits <= _MAX_KEY_BITS
     shift = np.where(usable, key_bits, 0)[segment_of]  # not valid: the key's length
-    shift[order] = (dense - first_dense[seg_sorted]) * bits[seg_sorted]
+    shift[order] = digit[rank] - segment_digit[seg_sorted]
     shift[~usable[segment_of]] = 0
     weights = [1] * first + [1 << s for s in shift.tolist()]
     return [int(k) if ok else None for k, ok in zip(key_bits, usable)], weights
