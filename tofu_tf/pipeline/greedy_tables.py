@@ -77,13 +77,24 @@ class GreedyTables:
         """For each end ``j`` in ``(start, stop]``, the first layer ``i >= start`` with
         ``c_k(i, j) <= bound``, or ``j`` when not even layer ``j - 1`` alone fits;
         entry ``j - start - 1``."""
+        return self._first_fit(k, start, stop, bound).tolist()
+
+    def _first_fit(self, k: int, start: int, stop: int, bound: int) -> np.ndarray:
         ends = np.arange(start + 1, stop + 1)
         level = self.level[k]
         first = np.searchsorted(self.floor[k][start:stop], level[ends] - bound, side="left") + start
         first = np.minimum(first, ends)
         if self.range_max is not None:
             self._past_transients(k, first, ends, bound)
-        return first.tolist()
+        return first
+
+    def _steps(self, k: int, start: int, stop: int, bound: int) -> list[int]:
+        """Entry ``j - start`` for ``j`` in ``[start, stop]``: where the right greedy
+        goes from a stage ending at ``j`` -- its first fit, or ``j - 1`` when not
+        even one layer fits (before the stage's cap is applied)."""
+        ends = np.arange(start + 1, stop + 1)
+        step = np.minimum(self._first_fit(k, start, stop, bound), ends - 1)
+        return [start, *step.tolist()]
 
     def _past_transients(self, k: int, first: np.ndarray, ends: np.ndarray, bound: int) -> None:
         """Move each ``first`` forward to where the transient maximum fits too (in place)."""
@@ -172,17 +183,25 @@ class GreedyTables:
         before its cap: one layer is left for each earlier stage); the first takes
         what is left."""
         multipliers = self.form.multiplier[first_stage:stop_stage]
-        tables = {k: self.first_fit(k, start, stop, bound)
-                  for k in set(multipliers) if k in self.level}
+        steps = {k: self._steps(k, start, stop, bound)
+                 for k in set(multipliers) if k in self.level}
         starts = [start] * len(multipliers)
-        at = stop
-        for b in range(len(multipliers) - 1, 0, -1):
+        at, b = stop, len(multipliers) - 1
+        while b > 0:
             k = multipliers[b]
-            table = tables.get(k)
-            fit = (table[at - start - 1] if table is not None
-                   else self._lists.first_fit(k, start + b, at, bound))
-            at = at - 1 if fit >= at else max(fit, start + b)
-            starts[b] = at
+            step = steps.get(k)
+            if step is None:  # a rare multiplier: this stage alone
+                fit = self._lists.first_fit(k, start + b, at, bound)
+                at = at - 1 if fit >= at else max(fit, start + b)
+                starts[b] = at
+                b -= 1
+                continue
+            while b > 0 and multipliers[b] == k:  # the run of stages sharing k
+                at = step[at - start]
+                if at < start + b:
+                    at = start + b
+                starts[b] = at
+                b -= 1
         multipliers = self.multiplier[first_stage:stop_stage]
         begin = np.asarray(starts, dtype=np.int64)
         end = np.append(begin[1:], stop)

@@ -176,7 +176,9 @@ def _ranked_weights(pairs: _PairCosts, segments: list[tuple[int, int]],
     shift = np.where(usable, key_bits, 0)[segment_of]  # not valid: the key's length
     shift[order] = digit[rank] - segment_digit[seg_sorted]
     shift[~usable[segment_of]] = 0
-    weights = [1] * first + [1 << s for s in shift.tolist()]
+    shifts = shift.tolist()
+    power = {s: 1 << s for s in set(shifts)}  # one object per rank (not valid: per segment)
+    weights = [1] * first + list(map(power.__getitem__, shifts))
     return [int(k) if ok else None for k, ok in zip(key_bits, usable)], weights
 
 
