@@ -193,10 +193,14 @@ def _ranked_dp(pairs: _PairCosts, segment: _Segment, valid: np.ndarray, key_bits
     keys = [unreachable] * pairs.rows[segment.a]
     keys[segment.entry] = 0
     history = [keys]
+    add = operator.add
     for t in range(segment.a, segment.b):
-        rows, at = pairs.rows[t], pairs.offsets[t]
-        keys = [min(map(operator.add, keys, weights[at + c * rows: at + (c + 1) * rows]))
-                for c in range(pairs.cols[t])]
+        rows, cols, at = pairs.rows[t], pairs.cols[t], pairs.offsets[t]
+        sums = map(add, keys * cols, weights[at: at + rows * cols])  # stop-major
+        if rows == 1:
+            keys = list(sums)
+        else:  # the minimum of each run of ``rows`` sums, all in C
+            keys = list(map(min, *([iter(sums)] * rows)))
         history.append(keys)
     if keys[segment.exit] >= unreachable:
         return None
