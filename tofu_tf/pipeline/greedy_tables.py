@@ -62,6 +62,7 @@ class GreedyTables:
         self.range_max: RangeMax | None = arrays.transient_max
         self.level = {k: self.base + k * self.activation for k in shared}
         self.floor = {k: level[:-1] - self.offset for k, level in self.level.items()}
+        self.top = 0 if self.range_max is None else int(self.range_max.table[0].max())
 
     @functools.cached_property
     def _lists(self) -> "_ScalarCost":
@@ -84,8 +85,10 @@ class GreedyTables:
         level = self.level[k]
         first = np.searchsorted(self.floor[k][start:stop], level[ends] - bound, side="left") + start
         first = np.minimum(first, ends)
-        if self.range_max is not None:
-            self._past_transients(k, first, ends, bound)
+        if self.range_max is not None:  # only where the tallest transient could break the fit
+            doubt = (first < ends) & (level[ends] - self.floor[k][np.minimum(first, stop - 1)]
+                                      + self.top > bound)
+            self._past_transients(k, first, ends, bound, np.flatnonzero(doubt))
         return first
 
     def _steps(self, k: int, start: int, stop: int, bound: int) -> list[int]:
@@ -96,9 +99,10 @@ class GreedyTables:
         step = np.minimum(self._first_fit(k, start, stop, bound), ends - 1)
         return [start, *step.tolist()]
 
-    def _past_transients(self, k: int, first: np.ndarray, ends: np.ndarray, bound: int) -> None:
-        """Move each ``first`` forward to where the transient maximum fits too (in place)."""
-        live = np.flatnonzero(first < ends)
+    def _past_transients(self, k: int, first: np.ndarray, ends: np.ndarray, bound: int,
+                         live: np.ndarray) -> None:
+        """Move each ``first`` (of the indices ``live``) forward to where the
+        transient maximum fits too (in place)."""
         for _ in range(_LINEAR_STEPS):
             over = self.cost(k, first[live], ends[live]) > bound
             live = live[over]
@@ -126,14 +130,15 @@ class GreedyTables:
         lead = np.append(self.offset, 0)[begins]
         last = np.searchsorted(level[:stop + 1], bound + level[begins] - lead, side="right") - 1
         last = np.maximum(last, begins)
-        if self.range_max is not None:
-            self._before_transients(k, begins, last, bound)
+        if self.range_max is not None:  # only where the tallest transient could break the fit
+            doubt = (last > begins) & (level[last] - level[begins] + lead + self.top > bound)
+            self._before_transients(k, begins, last, bound, np.flatnonzero(doubt))
         return last.tolist()
 
-    def _before_transients(self, k: int, begins: np.ndarray, last: np.ndarray,
-                           bound: int) -> None:
-        """Move each ``last`` back to where the transient maximum fits too (in place)."""
-        live = np.flatnonzero(last > begins)
+    def _before_transients(self, k: int, begins: np.ndarray, last: np.ndarray, bound: int,
+                           live: np.ndarray) -> None:
+        """Move each ``last`` (of the indices ``live``) back to where the transient
+        maximum fits too (in place)."""
         for _ in range(_LINEAR_STEPS):
             over = self.cost(k, begins[live], last[live]) > bound
             live = live[over]
