@@ -148,6 +148,36 @@ def test_linear_forms_exact_and_lower_bound(kind):
                     assert _form_cost(model.bound_form, r, i, j) <= peak
 
 
+@pytest.mark.parametrize("kind", ["analytic", "measured", "mixed"])
+def test_form_arrays_and_validated_builder_agree(kind):
+    """``LinearForm.arrays`` holds the form's figures (prefix sums, range maxima),
+    and ``for_chain`` builds the same model as ``build`` (which validates)."""
+    rng = np.random.default_rng(12)
+    for trial in range(10):
+        n, p, m = int(rng.integers(1, 9)), 3, int(rng.integers(1, 5))
+        layers = _random_chain(rng, n, kind)
+        model = StageCostModel.build(layers, p, "1f1b", m)
+        same = StageCostModel.for_chain(validate_chain(layers), p, "1f1b", m)
+        for form, other in ((model.exact_form, same.exact_form),
+                            (model.bound_form, same.bound_form)):
+            assert form == other
+            if form is None:
+                continue
+            arrays = form.arrays
+            assert arrays.base.tolist() == [sum(form.base[:i]) for i in range(n + 1)]
+            assert arrays.activation.tolist() == [sum(form.activation[:i]) for i in range(n + 1)]
+            assert arrays.offset.tolist() == list(form.offset)
+            assert arrays.multiplier.tolist() == list(form.multiplier)
+            for i in range(n):
+                for j in range(i + 1, n + 1):
+                    top = 0 if arrays.transient_max is None else int(arrays.transient_max(i, j))
+                    assert top == max(form.transient[i:j])
+        starts = np.repeat(np.arange(n), n)
+        stops = np.tile(np.arange(1, n + 1), n)
+        stages = starts % p
+        assert (model.peaks(stages, starts, stops) == same.peaks(stages, starts, stops)).all()
+
+
 def test_monotone_flag():
     rng = np.random.default_rng(3)
     assert StageCostModel.build(_random_chain(rng, 5, "analytic"), 2, "1f1b", 2).monotone

@@ -157,7 +157,9 @@ def _ranked_weights(pairs: _PairCosts, segments: list[tuple[int, int]],
     bounds = [pairs.offsets[b] - first for _, b in segments]
     segment_of = np.searchsorted(np.asarray(bounds), np.arange(last - first), side="right")
     index = np.flatnonzero(valid)
-    order = index[np.lexsort((costs[index], segment_of[index]))]
+    by_cost = index[np.argsort(costs[index])]  # then by segment, stably (a radix sort)
+    small = np.int16 if count < 1 << 15 else np.int64
+    order = by_cost[np.argsort(segment_of[by_cost].astype(small), kind="stable")]
     seg_sorted, cost_sorted = segment_of[order], costs[order]
     fresh = np.ones(len(order), dtype=bool)
     fresh[1:] = (np.diff(seg_sorted) != 0) | (np.diff(cost_sorted) != 0)

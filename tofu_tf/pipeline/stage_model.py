@@ -260,7 +260,10 @@ class _Columns:
     def of(cls, chain: Sequence[LayerStats]) -> "_Columns":
         isolated = [l.isolated_bytes for l in chain]
         added = [l.added_bytes for l in chain]
-        measured = tuple([i is not None and a is not None for i, a in zip(isolated, added)])
+        if isolated.count(None) == len(chain) and added.count(None) == len(chain):
+            measured = (False,) * len(chain)  # all analytic (the common case, quickly)
+        else:
+            measured = tuple([i is not None and a is not None for i, a in zip(isolated, added)])
         if not all(measured):
             isolated = [x or 0 for x in isolated]
             added = [x or 0 for x in added]
