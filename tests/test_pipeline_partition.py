@@ -326,6 +326,32 @@ def test_ranked_keys_order_paths_like_their_descending_peaks():
             assert (key_a == key_b) == (lex_a == lex_b), trial
 
 
+@pytest.mark.parametrize("start", ["estimate", "far_below", "far_above", "at_lower"])
+def test_bisection_finds_the_exact_min_max(monkeypatch, start):
+    """The bracketing bisection returns the brute-force min-max of monotone chains
+    whatever its first guess (stepping up, stepping down, jumping to a lower end)."""
+    rng = np.random.default_rng(52)
+    guesses = {"far_below": lambda form, piece: 0,
+               "far_above": lambda form, piece: 1 << 40,
+               "at_lower": lambda form, piece: search_module._form_lower_bound(form, piece)}
+    if start in guesses:
+        monkeypatch.setattr(search_module, "_fluid_estimate", guesses[start])
+    for trial in range(150):
+        kind = ["analytic", "monotone"][trial % 2]
+        n = int(rng.integers(2, 11))
+        p = int(rng.integers(1, min(n, 5) + 1))
+        m = int(rng.integers(1, 9))
+        layers = _random_chain(rng, n, kind, scale=int(rng.choice([1, 10, 1000])))
+        model = search_module.StageCostModel.build(layers, p, "1f1b", m)
+        if not model.monotone:
+            continue
+        table = _peak_table(layers, p, "1f1b", m)
+        best = min(max(_peaks(table, (0, *cuts), n))
+                   for cuts in itertools.combinations(range(1, n), p - 1))
+        bound, _ = search_module._Search(model)._bound(search_module._Piece(0, n, 0, p))
+        assert bound == best, (trial, start)
+
+
 def test_huge_blocks_are_processed_in_column_slices(monkeypatch):
     monkeypatch.setattr(dp_module, "_BLOCK_ENTRIES", 4)
     monkeypatch.setattr(dp_module, "_SMALL_BLOCK", 0)
