@@ -54,9 +54,10 @@ all-measured chains by exact forward/backward reachability (from a start the
 feasible ends form an interval). Both are supersets of every partition within
 ``U``, so the DP over them stays exact.
 
-Cost: ``O(n)`` per greedy probe and ``O(log)`` probes (on long monotone
-pieces a probe is computed from tables, ``tofu_tf.pipeline.greedy_tables``:
-numpy over the layers, one pointer per stage); the DP visits
+Cost: ``O(n)`` per greedy probe and ``O(log)`` probes, started from a fluid
+estimate close to the answer (on long monotone pieces a probe, and the left
+greedy, are computed from tables, ``tofu_tf.pipeline.greedy_tables``: numpy
+over the layers, one pointer per stage); the DP visits
 ``sum_r |W_r| |W_{r+1}|`` (start, stop) pairs. Windows stay a few layers wide on
 ordinary chains; they grow towards ``n`` only when a huge number of partitions
 tie at the top levels (one layer dominating every stage, many identical layers

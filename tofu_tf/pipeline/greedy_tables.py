@@ -1,4 +1,4 @@
-"""The right-greedy probe for monotone stage costs, vectorised over layers (no TensorFlow).
+"""The greedy probes for monotone stage costs, vectorised over layers (no TensorFlow).
 
 ``exact_search`` bisects the min-max bound with a greedy probe: stages from the
 last, each taking every layer that still fits under the bound. Scanning layer
@@ -6,8 +6,11 @@ by layer in Python costs O(layers) interpreter steps per probe. This module
 computes the same probe from tables: for a bound ``B`` and a multiplier ``k``,
 ``first_fit[j]`` is the first layer of the longest stage ending at ``j`` within
 ``B``, for every ``j`` at once with numpy. The greedy then only follows one
-pointer per stage. It owns nothing else: the search logic and the stage costs
-stay in ``exact_search`` and ``stage_model``.
+pointer per stage (a step table through each run of stages sharing ``k``).
+The left greedy that gives the windows' upper ends is computed the same way
+from ``last_fit[i]``, the last end of the longest stage starting at ``i``. It
+owns nothing else: the search logic and the stage costs stay in
+``exact_search`` and ``stage_model``.
 
 Why a binary search finds ``first_fit``. The cost is the ``LinearForm``
 ``c_k(i, j) = P_k(j) - P_k(i) + offset_i + max(transient[i:j])`` with ``P_k``
@@ -15,13 +18,14 @@ the prefix sums of ``base + k * activation``. It is monotone (never drops as
 the stage grows), so ``g(i) = P_k(i) - offset_i`` never decreases with ``i``;
 without transients ``c_k(i, j) <= B`` iff ``g(i) >= P_k(j) - B``, one
 ``searchsorted``. Transients only raise the cost, so the true first fit lies
-at or after that point: a few vectorised single steps forward settle most
-ends, a vectorised bisection the rest.
+at or after that point; only ends where the tallest transient could break
+the fit are checked: a few vectorised single steps forward settle most, a
+vectorised bisection the rest (``last_fit`` mirrors this).
 
 Stages whose multiplier is rare (the last stages under 1F1B keep fewer
-micro-batches each, so they are also the longest) get no table: each
-bisects its own start in plain Python over the same prefix sums, O(log)
-steps instead of one per layer.
+micro-batches each, so they are also the longest) get no table: each finds
+its own start (or end) in plain Python over the same prefix sums, galloping
+then bisecting, O(log) steps instead of one per layer.
 """
 
 from __future__ import annotations
