@@ -181,12 +181,32 @@ class _SignGate(keras.layers.Layer):
         return -x
 
 
-def test_python_control_flow_on_tensors_is_traced_with_autograph():
+class _TensorLoop(keras.layers.Layer):
+    """Loops over a tensor in Python: needs AutoGraph to trace."""
+
+    def call(self, x):
+        for _ in tf.range(tf.shape(x)[1] // 2):
+            x = x * 0.5
+        return x
+
+
+@pytest.mark.parametrize("layer,converted", [(_SignGate, {"If", "StatelessIf"}), (_TensorLoop, {"While", "StatelessWhile"})])
+def test_python_control_flow_on_tensors_is_traced_with_autograph(layer, converted):
     inputs = keras.Input((4,))
-    model = keras.Model(inputs, keras.layers.Dense(3, name="out")(_SignGate()(keras.layers.Dense(4, name="d")(inputs))))
+    model = keras.Model(inputs, keras.layers.Dense(3, name="out")(layer()(keras.layers.Dense(4, name="d")(inputs))))
     graph = tofu_tf.capture_training_step(model, batch_size=2, loss="mse", optimizer="sgd")
-    types = {op.type for op in graph.ops}
-    assert "If" in types or "StatelessIf" in types  # the branch became a graph conditional
+    assert converted & {op.type for op in graph.ops}  # the Python control flow became a graph op
     assert {v.path for v in graph.variables.values() if v.kind is ir.VariableKind.WEIGHT} == {
         "d/kernel", "d/bias", "out/kernel", "out/bias"}
     assert all(v.gradient for v in graph.variables.values() if v.kind is ir.VariableKind.WEIGHT)
+
+
+def test_an_error_that_autograph_cannot_fix_still_surfaces():
+    class Broken(keras.layers.Layer):
+        def call(self, x):
+            raise ValueError("broken layer")
+
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, Broken()(keras.layers.Dense(4)(inputs)))
+    with pytest.raises(ValueError, match="broken layer"):
+        tofu_tf.capture_training_step(model, batch_size=2, loss="mse", optimizer="sgd")

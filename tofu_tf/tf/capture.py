@@ -138,8 +138,8 @@ def _trace(model, framework, batch_size, loss, optimizer, labels) -> _TraceResul
 
 
 def _trace_once(train_step, opt, framework, x_specs, y_spec, *, autograph):
-    """Trace ``train_step`` once; ``(None, None)`` when, without AutoGraph, the
-    model branches or loops on a tensor in Python.
+    """Trace ``train_step`` once; ``(None, None)`` when tracing without AutoGraph
+    fails, e.g. because the model branches or loops on a tensor in Python.
 
     Capture only needs the ops of one step, and AutoGraph's source conversion of
     every function the step calls is about a third of capture's time (0.2-0.3 s of
@@ -149,10 +149,12 @@ def _trace_once(train_step, opt, framework, x_specs, y_spec, *, autograph):
     with keras_adapter.recording_slots(opt, defer_zeros=framework == "tf_keras") as slots:
         try:
             concrete = tf.function(train_step, autograph=autograph).get_concrete_function(list(x_specs), y_spec)
-        except tf.errors.OperatorNotAllowedInGraphError:
+        except Exception as error:  # pylint: disable=broad-except
+            # Tensors used as Python bools or ints fail in many ways (OperatorNotAllowedInGraphError,
+            # TypeError from range(tensor), ...); a real error fails the AutoGraph trace again.
             if autograph:
                 raise
-            logging.debug("capture: the step branches on tensors in Python; tracing again with AutoGraph")
+            logging.debug("capture: tracing again with AutoGraph after %s: %s", type(error).__name__, error)
             return None, None
     return concrete, slots
 
