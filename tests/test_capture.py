@@ -203,8 +203,10 @@ def test_python_control_flow_on_tensors_is_traced_with_autograph(layer, converte
 
 def test_an_error_that_autograph_cannot_fix_still_surfaces():
     class Broken(keras.layers.Layer):
-        def call(self, x):
-            raise ValueError("broken layer")
+        def call(self, x, training=None):
+            if training:  # a Python bool: builds fine, fails in the training step
+                raise ValueError("broken layer")
+            return x
 
     inputs = keras.Input((4,))
     model = keras.Model(inputs, Broken()(keras.layers.Dense(4)(inputs)))
