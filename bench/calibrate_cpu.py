@@ -26,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 flags.DEFINE_integer("repeats", 7, "Timed calls per point (median reported).")
 FLAGS = flags.FLAGS
@@ -106,6 +106,7 @@ def _rates(tf, dtensor):
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # DTensor logs every mesh it creates
     from tofu_tf.tf import devices
     devices.configure_virtual_cpus(NUM_DEVICES)
     import tensorflow as tf
