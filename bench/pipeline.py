@@ -16,8 +16,8 @@ Prints, in order:
    the measured peak of every stage of optimal partitions, each stage run for
    real (CPU, TF's BFC allocator, subprocesses);
 4. the memory regression (``tofu_tf.pipeline.regression``): coefficients,
-   in-sample and leave-one-out error on its calibration samples, and its error
-   on the stages of 3 (models it was not fitted on);
+   in-sample and leave-one-out error on its calibration samples (overall and
+   per model), and its error on the stages of 3 (models it was not fitted on);
 5. ``recommend_hybrid`` for the GPT on 8 devices, without and with a budget.
 
 ``--calibrate`` re-measures the regression's samples and writes them to
@@ -305,7 +305,9 @@ def _inflight(stage: int, stages: int, schedule: str, micro: int) -> int:
 
 
 def calibration_models():
-    """The models whose measured stages the shipped regression is fitted on."""
+    """The models whose measured stages the shipped regression is fitted on: two
+    GPTs, two MLPs and three small CNNs (convolution workspaces); section 3's
+    models (GPT-12, WRN-16-2, MLP 8x256) are left out, to test it on."""
     import functools
     from tofu_tf import models
     return [
@@ -315,6 +317,10 @@ def calibration_models():
                                          seq_len=16, vocab_size=1024), 4),
         ("mlp 4x256", functools.partial(models.mlp, input_dim=64, width=256, depth=4), 16),
         ("mlp 2x512", functools.partial(models.mlp, input_dim=256, width=512, depth=2), 8),
+        ("cnn 16px c8", functools.partial(models.cnn, image_size=16, channels=8), 8),
+        ("cnn 32px c16", functools.partial(models.cnn, image_size=32, channels=16), 4),
+        ("wrn-10-1 16px", functools.partial(models.wide_resnet, depth=10, width=1,
+                                            image_size=16), 8),
     ]
 
 
@@ -342,9 +348,12 @@ def regression_rows(validation) -> list[str]:
     """The shipped regression on stages it was not fitted on, and, per model, a
     regression fitted on that model's own measured stages (what
     ``recommend_hybrid(profile=True)`` does), with its leave-one-out error."""
-    from tofu_tf.pipeline import MemoryRegression, default_regression
+    from tofu_tf.pipeline import MemoryRegression, default_regression, regression
     model = default_regression()
     rows = [f"shipped regression: {model.describe()}"]
+    for label, (fit, loo) in regression.errors_by_model(regression.load_samples()).items():
+        rows.append(f"  {label:<18} calibration: fit {100 * fit:4.1f}%, leave-one-out "
+                    f"{100 * loo:4.1f}%")
     for label in sorted({s.model for s in validation}):
         own = [s for s in validation if s.model == label]
         mape = statistics.mean(abs(model.predict(s) - s.measured_bytes) / s.measured_bytes

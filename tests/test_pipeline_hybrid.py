@@ -46,6 +46,17 @@ def test_scalable_chain_interpolates_affine_figures_and_shards_them():
         ScalableChain.from_two(_chain_at(1), 1, [0] * 6, _chain_at(1), 1, [0] * 6)
 
 
+def test_scalable_chain_keeps_workspaces_of_one_image_and_of_more_unsharded():
+    import dataclasses
+    low = [dataclasses.replace(s, workspace_bytes=100) for s in _chain_at(1)]
+    high = [dataclasses.replace(s, workspace_bytes=7000) for s in _chain_at(3)]
+    chain = ScalableChain.from_two(low, 1, [64] * 6, high, 3, [192] * 6)
+    assert [s.workspace_bytes for s in chain.at(1)] == [100] * 6
+    assert [s.workspace_bytes for s in chain.at(2)] == [7000] * 6
+    assert [s.workspace_bytes for s in chain.at(8, tp=4)] == [7000] * 6
+    assert [s.workspace_bytes for s in _chain().at(4)] == [0] * 6
+
+
 def test_every_candidate_factors_the_devices_and_ranking_is_by_peak():
     result = rank_hybrid(_chain(), num_devices=8, batch_size=32, regression=UNIT)
     six_units = {shape for shape in factorizations(8) if shape[0] <= 6}

@@ -34,6 +34,24 @@ def test_mlp_bytes_match_hand_computation(mlp_adam):
     assert dense_1.activation_bytes == micro * 32 * F32
     assert head.activation_bytes >= micro * 10 * F32  # logits, plus what the loss keeps
     assert all(s.transient_bytes > 0 and s.compute_seconds > 0 for s in mlp_adam)
+    assert all(s.workspace_bytes == 0 for s in mlp_adam)  # no convolution
+
+
+def test_convolution_workspace_is_tf_cpu_gradient_im2col_buffer():
+    # models.cnn at micro-batch 8: conv_0 is 3x3, 3 -> 8 channels on 16x16 pixels.
+    # Its filter gradient multiplies A = im2col (256 pixels x 27 patch values),
+    # B = output gradient (256 x 8) and C = filter (27 x 8): 9176 floats per image;
+    # the kernel buffers ceil(30 MiB / 4 / 9176) = 858 images' im2col at once.
+    analysis = keras_stats.analyze_model(models.cnn(image_size=16, channels=8), micro_batch=8,
+                                         loss=LOSS, optimizer="adam")
+    by_name = {s.name: s for s in analysis.stats}
+    assert by_name["conv_0"].workspace_bytes == 858 * 256 * 27 * F32
+    # conv_1, 3x3, 8 -> 16 on 8x8: the input gradient (A = 64 x 16, B = 72 x 16,
+    # C = 64 x 72: 6784 floats) needs 1160 images' buffers, the filter gradient
+    # (A = 64 x 72, B = 64 x 16, C = 72 x 16: 6784 too) as many: 1160 x 64 x 72
+    assert by_name["conv_1"].workspace_bytes == 1160 * 64 * 72 * F32
+    assert all(s.workspace_bytes == 0 for name, s in by_name.items()
+               if not name.startswith("conv"))
 
 
 def test_optimizer_slots_are_part_of_state():

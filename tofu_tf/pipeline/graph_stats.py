@@ -31,6 +31,10 @@ What it decides:
   - ``transient_bytes``: the live peak of the unit's other values (forward
     temporaries, activation gradients) over the unit's own forward and
     backward ops, by ``tofu_tf.cost.memory.Liveness``;
+  - ``workspace_bytes``: the largest scratch buffer a kernel of the unit's
+    backward pass allocates outside the graph's tensors: the im2col buffer of
+    TensorFlow's CPU convolution-gradient kernels
+    (``convolution_workspace_bytes``), 0 in units without 2-D convolutions;
   - ``param_count`` and ``compute_seconds`` (FLOPs and bytes touched, priced
     by a ``HardwareProfile``) for the parameter- and time-balanced baselines.
 """
@@ -115,10 +119,12 @@ def chain_stats(graph: ir.Graph, *, layer_names: Sequence[str], model_name: str,
     state, params = _state_bytes(graph, owner, variable_layers or {})
     activations, saved = _saved_activations(graph, places, unit_of, [u.name for u in units])
     transients = _transient_bytes(graph, places, unit_of, saved)
+    workspaces = _workspace_bytes(graph, places, unit_of)
     seconds = _compute_seconds(graph, places, unit_of, hardware_profiles.profile(hardware))
     stats = tuple(LayerStats(name=u.name, state_bytes=state.get(u.name, 0),
                              activation_bytes=activations.get(u.name, 0),
                              transient_bytes=transients.get(u.name, 0),
+                             workspace_bytes=workspaces.get(u.name, 0),
                              param_count=params.get(u.name, 0),
                              compute_seconds=seconds.get(u.name, 0.0)) for u in units)
     starts = [order.index(unit.layers[0]) for unit in units[1:]]
@@ -369,6 +375,72 @@ def _transient_bytes(graph: ir.Graph, places, unit_of, saved: frozenset[str]) ->
         curve = liveness.live_curve(sizes)
         peaks[unit] = int(curve.max()) if len(curve) else 0
     return peaks
+
+
+_CONVOLUTION_GRADIENTS = frozenset({"Conv2DBackpropInput", "Conv2DBackpropFilter"})
+# TensorFlow's CPU convolution-gradient kernels (Conv2DCustomBackpropInput/Filter)
+# size their im2col buffer for these cache sizes, hard-coded in the kernels.
+_TF_CPU_L2_BYTES = 256 << 10
+_TF_CPU_L3_BYTES = 30 << 20
+# Intra-op threads of the runs the workspaces are estimated for: the profiling
+# subprocess runs one thread per pool (tofu_tf.pipeline.profile_worker).
+_TF_CPU_THREADS = 1
+
+
+def _workspace_bytes(graph: ir.Graph, places, unit_of) -> dict[str, int]:
+    """The largest convolution-gradient workspace of each unit's backward ops."""
+    peaks: dict[str, int] = {}
+    for op in graph.ops:
+        if op.type not in _CONVOLUTION_GRADIENTS or places[op.name].phase is Phase.UPDATE:
+            continue
+        unit = unit_of(places[op.name])
+        peaks[unit] = max(peaks.get(unit, 0), convolution_workspace_bytes(op, graph))
+    return peaks
+
+
+def convolution_workspace_bytes(op: ir.Op, graph: ir.Graph, *,
+                                threads: int = _TF_CPU_THREADS) -> int:
+    r"""Bytes of the im2col buffer TensorFlow's CPU kernel of a 2-D convolution's
+    input or filter gradient allocates (0 for other ops or unknown shapes).
+
+    The kernels (``Conv2DCustomBackpropInputOp``, ``...FilterOp``) multiply
+    per image ``A`` (output pixels x output channels, or the im2col matrix for
+    the filter gradient), ``B`` and ``C`` (the other two operands), and buffer
+    the im2col matrices of ``shard`` images at once, ``shard`` chosen so that a
+    shard's ``A + B + C`` fills their hard-coded 30 MiB L3 cache:
+
+    .. math::
+
+        \mathrm{workspace} = \mathrm{shard} \cdot H_o W_o \cdot k_h k_w C_i
+        \cdot \mathrm{dtype}, \quad
+        \mathrm{shard} = \lceil L_3 / (\mathrm{dtype} \cdot (A + B + C)) \rceil
+
+    -- independent of the batch, and tens of MiB for small convolutions. The
+    input gradient uses one image at a time (``shard = 1``) when the batch is
+    1 or a thread's share of ``A + B + C`` reaches the 256 KiB L2 cache.
+    """
+    if op.type == "Conv2DBackpropInput":
+        kernel, produced = graph.tensors.get(op.inputs[1]), graph.tensors.get(op.inputs[2])
+    elif op.type == "Conv2DBackpropFilter":
+        kernel, produced = graph.tensors.get(op.outputs[0]), graph.tensors.get(op.inputs[2])
+    else:
+        return 0
+    if kernel is None or produced is None or kernel.rank != 4 or produced.rank != 4:
+        return 0
+    if op.attrs.get("data_format", "NHWC") in ("NCHW", b"NCHW"):
+        batch, _, rows, columns = produced.shape
+    else:
+        batch, rows, columns, _ = produced.shape
+    kernel_rows, kernel_columns, in_channels, out_channels = kernel.shape
+    pixels, patch = rows * columns, kernel_rows * kernel_columns * in_channels
+    work = pixels * out_channels + patch * out_channels + pixels * patch  # A + B + C
+    dtype = ir.dtype_size(produced.dtype)
+    if work == 0 or dtype == 0:
+        return 0
+    one_at_a_time = op.type == "Conv2DBackpropInput" and (
+        batch == 1 or work // max(threads, 1) >= _TF_CPU_L2_BYTES // dtype)
+    shard = 1 if one_at_a_time else -(-(_TF_CPU_L3_BYTES // dtype) // work)
+    return shard * pixels * patch * dtype
 
 
 def _compute_seconds(graph: ir.Graph, places, unit_of, hardware) -> dict[str, float]:

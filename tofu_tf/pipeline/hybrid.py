@@ -12,15 +12,20 @@ Per candidate, with global batch ``B``, ``m`` micro-batches of ``b = B / (dp m)`
 * Statistics at micro-batch ``b``: activation, transient and compute figures
   of each unit are affine in the micro-batch size (batch-sized tensors plus
   fixed ones), so ``ScalableChain`` interpolates them exactly from two captures.
+  Convolution workspaces (``LayerStats.workspace_bytes``) are not affine:
+  TensorFlow's CPU kernels size them by a cache, not by the batch, except
+  that one image takes a smaller path; ``ScalableChain`` keeps both captures'
+  values and uses the one-image figure at micro-batch 1, the other above.
 * Tensor parallelism: even sharding of weights, optimizer state, activations
-  and transients over ``tp`` devices (Megatron-style splits get close to it;
+  and transients over ``tp`` devices (workspaces stay whole: a kernel's
+  buffer does not shrink with fewer channels in proportion) (Megatron-style splits get close to it;
   replicated LayerNorm inputs make it optimistic for small ``tp``).
 * Data parallelism: every replica holds the full state of its stage (no ZeRO).
 * Pipeline: the exact partitioner (``tofu_tf.pipeline.partition``) splits the
   units into ``pp`` stages under the schedule; stage ``r`` keeps
   ``min(m, pp - r)`` micro-batches in flight under 1F1B.
 * Peak per device: the ``MemoryRegression`` fitted on measured stage peaks,
-  :math:`\beta_0 + \beta_S S + \beta_A A + \beta_T T` of the worst stage; the
+  :math:`\beta_0 + \beta_S S + \beta_A A + \beta_W W + \beta_C C` of the worst stage; the
   partition minimises exactly that (the regression's ``scaled`` figures).
 * Step time: ``(m + pp - 1)`` times the slowest stage's time per micro-batch
   (its compute over ``tp``, plus two ``tp``-way all-reduces of each weighted
@@ -69,6 +74,8 @@ class ScalableChain:
     transient: tuple[tuple[float, float], ...]
     compute: tuple[tuple[float, float], ...]
     boundary: tuple[tuple[float, float], ...]     # bytes sent to the next unit
+    workspace: tuple[tuple[int, int], ...] = ()   # (at the smaller, at the larger batch)
+    workspace_split: float = 1.0                  # micro-batches above it use the larger
 
     @classmethod
     def from_two(cls, low: Sequence[LayerStats], low_batch: int, low_boundary: Sequence[int],
@@ -92,20 +99,27 @@ class ScalableChain:
                              for a, b in zip(low, high)),
             transient=tuple(line(a.transient_bytes, b.transient_bytes) for a, b in zip(low, high)),
             compute=tuple(line(a.compute_seconds, b.compute_seconds) for a, b in zip(low, high)),
-            boundary=tuple(line(a, b) for a, b in zip(low_boundary, high_boundary)))
+            boundary=tuple(line(a, b) for a, b in zip(low_boundary, high_boundary)),
+            workspace=tuple((a.workspace_bytes, b.workspace_bytes) if low_batch < high_batch
+                            else (b.workspace_bytes, a.workspace_bytes)
+                            for a, b in zip(low, high)),
+            workspace_split=min(low_batch, high_batch))
 
     def at(self, micro_batch: float, tp: int = 1) -> list[LayerStats]:
         """The chain at ``micro_batch`` samples per micro-batch, sharded ``tp`` ways."""
         def value(pair):
             return max(pair[0] + pair[1] * micro_batch, 0.0)
 
+        workspace = self.workspace or ((0, 0),) * len(self.names)
+        larger = micro_batch > self.workspace_split
         return [LayerStats(name=name, state_bytes=round(state / tp),
                            activation_bytes=round(value(act) / tp),
                            transient_bytes=round(value(transient) / tp),
-                           param_count=params, compute_seconds=value(compute) / tp)
-                for name, state, params, act, transient, compute in zip(
+                           param_count=params, compute_seconds=value(compute) / tp,
+                           workspace_bytes=pair[1] if larger else pair[0])
+                for name, state, params, act, transient, compute, pair in zip(
                     self.names, self.state, self.params, self.activation, self.transient,
-                    self.compute)]
+                    self.compute, workspace)]
 
     def boundary_bytes(self, micro_batch: float) -> list[float]:
         return [max(a + s * micro_batch, 0.0) for a, s in self.boundary]

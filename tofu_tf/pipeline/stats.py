@@ -11,7 +11,10 @@ Two kinds of figure are accepted, following the memory-centric partitioners
 
 * analytic: ``state_bytes`` (weights + gradients + optimizer slots),
   ``activation_bytes`` (what one micro-batch keeps for the backward pass) and
-  ``transient_bytes`` (the working peak of the layer's own forward/backward);
+  ``transient_bytes`` (the working peak of the layer's own forward/backward),
+  and, optional, ``workspace_bytes`` (the largest scratch buffer one of its
+  kernels allocates beside the graph's tensors, such as a convolution's
+  im2col buffer; 0 by default);
 * measured: ``isolated_bytes`` (peak of a stage holding this layer alone) and
   ``added_bytes`` (how much the peak grows when the layer is appended to a
   stage), both for one micro-batch in flight.
@@ -24,7 +27,8 @@ import math
 import operator
 from typing import Iterable
 
-_BYTE_FIELDS = ("state_bytes", "activation_bytes", "transient_bytes", "param_count")
+_BYTE_FIELDS = ("state_bytes", "activation_bytes", "transient_bytes", "param_count",
+                "workspace_bytes")
 _OPTIONAL_BYTE_FIELDS = ("isolated_bytes", "added_bytes")
 
 
@@ -47,6 +51,7 @@ class LayerStats:
     compute_seconds: float = 0.0
     isolated_bytes: int | None = None
     added_bytes: int | None = None
+    workspace_bytes: int = 0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
