@@ -86,10 +86,10 @@ def _reference_dp(table, n, p):
     return layer[n]
 
 
-def _assert_matches_reference(plan, layers, schedule, m):
+def _assert_matches_reference(plan, layers, schedule, m, context=None):
     n, p = len(layers), plan.num_stages
     table = _peak_table(layers, p, schedule, m)
-    assert _lex_key(plan.stage_peak_bytes) == _reference_dp(table, n, p)
+    assert _lex_key(plan.stage_peak_bytes) == _reference_dp(table, n, p), context
 
 
 def _check_plan(plan, layers, p, schedule, m):
@@ -106,6 +106,23 @@ def _check_plan(plan, layers, p, schedule, m):
 
 
 KINDS = ["analytic", "monotone", "offsets", "mixed"]
+
+
+def _random_pipelines(rng, trials, *, kinds=KINDS, layers=(2, 12), max_stages=5, both_schedules=True,
+                      scaled=True):
+    """(trial, kind, chain, stages, schedule, micro-batches) of random small pipelines:
+    every third one under GPipe when ``both_schedules``, chain scale drawn when ``scaled``."""
+    for trial in range(trials):
+        kind = kinds[trial % len(kinds)]
+        n = int(rng.integers(*layers))
+        p = int(rng.integers(1, min(n, max_stages) + 1))
+        m = int(rng.integers(1, 9))
+        schedule = "1f1b" if not both_schedules or trial % 3 else "gpipe"
+        if scaled:
+            chain = _random_chain(rng, n, kind, scale=int(rng.choice([1, 10, 1000])))
+        else:
+            chain = _random_chain(rng, n, kind)
+        yield trial, kind, chain, p, schedule, m
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -144,17 +161,9 @@ def test_tie_breaking_prefers_balanced_rest_over_min_max_only():
 
 
 def test_optimal_matches_reference_dp_on_many_random_chains():
-    rng = np.random.default_rng(2024)
-    for trial in range(1200):
-        kind = KINDS[trial % 4]
-        n = int(rng.integers(2, 12))
-        p = int(rng.integers(1, min(n, 5) + 1))
-        m = int(rng.integers(1, 9))
-        schedule = "1f1b" if trial % 3 else "gpipe"
-        layers = _random_chain(rng, n, kind, scale=int(rng.choice([1, 10, 1000])))
+    for trial, kind, layers, p, schedule, m in _random_pipelines(np.random.default_rng(2024), 1200):
         plan = partition(layers, p, schedule=schedule, num_microbatches=m)
-        table = _peak_table(layers, p, schedule, m)
-        assert _lex_key(plan.stage_peak_bytes) == _reference_dp(table, n, p), (trial, kind)
+        _assert_matches_reference(plan, layers, schedule, m, (trial, kind))
 
 
 @pytest.mark.parametrize("kind", ["analytic", "offsets"])
@@ -172,16 +181,10 @@ def test_internal_paths_stay_exact(monkeypatch, split_work, small_block):
     """Force piece splitting and the vectorised candidate scan on small chains."""
     monkeypatch.setattr(search_module, "_SPLIT_WORK_PER_STAGE", split_work)
     monkeypatch.setattr(dp_module, "_SMALL_BLOCK", small_block)
-    rng = np.random.default_rng(99)
-    for trial in range(150):
-        kind = KINDS[trial % 4]
-        n = int(rng.integers(2, 11))
-        p = int(rng.integers(1, min(n, 5) + 1))
-        m = int(rng.integers(1, 9))
-        layers = _random_chain(rng, n, kind)
-        plan = partition(layers, p, schedule="1f1b", num_microbatches=m)
-        table = _peak_table(layers, p, "1f1b", m)
-        assert _lex_key(plan.stage_peak_bytes) == _reference_dp(table, n, p)
+    for trial, kind, layers, p, schedule, m in _random_pipelines(
+            np.random.default_rng(99), 150, layers=(2, 11), both_schedules=False, scaled=False):
+        plan = partition(layers, p, schedule=schedule, num_microbatches=m)
+        _assert_matches_reference(plan, layers, schedule, m, (trial, kind))
 
 
 @pytest.mark.parametrize("key_bits", [0, 12])
@@ -189,18 +192,11 @@ def test_segments_too_long_for_ranked_keys_stay_exact(monkeypatch, key_bits):
     """Without room for ranked keys every segment is pruned to its own min-max
     (new pins, recursion) and, where nothing splits, solved with multiset keys."""
     monkeypatch.setattr(dp_module, "_MAX_KEY_BITS", key_bits)
-    rng = np.random.default_rng(31 + key_bits)
-    for trial in range(300):
-        kind = KINDS[trial % 4]
-        n = int(rng.integers(2, 13))
-        p = int(rng.integers(1, min(n, 6) + 1))
-        m = int(rng.integers(1, 9))
-        schedule = "1f1b" if trial % 3 else "gpipe"
-        layers = _random_chain(rng, n, kind, scale=int(rng.choice([1, 10, 1000])))
+    for trial, kind, layers, p, schedule, m in _random_pipelines(
+            np.random.default_rng(31 + key_bits), 300, layers=(2, 13), max_stages=6):
         plan = partition(layers, p, schedule=schedule, num_microbatches=m)
         _check_plan(plan, layers, p, schedule, m)
-        assert _lex_key(plan.stage_peak_bytes) == _reference_dp(
-            _peak_table(layers, p, schedule, m), n, p), (trial, kind)
+        _assert_matches_reference(plan, layers, schedule, m, (trial, kind))
 
 
 def test_table_probes_equal_layer_by_layer_probes(monkeypatch):
@@ -252,16 +248,10 @@ def test_table_left_greedy_equals_layer_by_layer(monkeypatch):
 
 def test_table_probes_keep_the_search_exact(monkeypatch):
     monkeypatch.setattr(search_module, "_TABLE_MIN_LAYERS", 0)
-    rng = np.random.default_rng(41)
-    for trial in range(200):
-        kind = ["analytic", "monotone"][trial % 2]
-        n = int(rng.integers(2, 12))
-        p = int(rng.integers(1, min(n, 5) + 1))
-        m = int(rng.integers(1, 9))
-        layers = _random_chain(rng, n, kind, scale=int(rng.choice([1, 10, 1000])))
-        plan = partition(layers, p, schedule="1f1b", num_microbatches=m)
-        assert _lex_key(plan.stage_peak_bytes) == _reference_dp(
-            _peak_table(layers, p, "1f1b", m), n, p), (trial, kind)
+    for trial, kind, layers, p, schedule, m in _random_pipelines(
+            np.random.default_rng(41), 200, kinds=["analytic", "monotone"], both_schedules=False):
+        plan = partition(layers, p, schedule=schedule, num_microbatches=m)
+        _assert_matches_reference(plan, layers, schedule, m, (trial, kind))
 
 
 def test_scalar_first_fit_equals_a_leftward_scan():

@@ -67,18 +67,24 @@ def lex_dp(model: StageCostModel, first_stage: int, lo: list[int], hi: list[int]
     if pairs is None:  # too many pairs to hold at once
         return _keyed_dp(model, first_stage, lo, hi, bound,
                          _cost_blocks(model, first_stage, lo, hi))
-    segments = _segments(lo, hi)
-    key_bits, weights = _ranked_weights(pairs, segments, pairs.valid)
+    segments = [_Segment(a, b, entry=0, exit=0, bound=bound) for a, b in _segments(lo, hi)]
+    # Pruning a long segment narrows ``valid`` in that segment's pairs only; the copy keeps
+    # ``pairs`` as built.
+    return _solve_segments(model, first_stage, pairs, segments, pairs.valid.copy())
+
+
+def _solve_segments(model: StageCostModel, first_stage: int, pairs: "_PairCosts",
+                    segments: list["_Segment"], valid: np.ndarray) -> list[int] | None:
+    """Consecutive segments solved one by one (ranked keys where they fit, else
+    pruned by ``_solve_long``) and their starts joined; None if one has no partition."""
+    key_bits, weights = _ranked_weights(pairs, [(s.a, s.b) for s in segments], valid)
     starts: list[int] = []
-    for (a, b), bits in zip(segments, key_bits):
-        segment = _Segment(a, b, entry=0, exit=0, bound=bound)
-        if bits is not None:
-            part = _ranked_dp(pairs, segment, pairs.valid, bits, weights)
-        else:
-            part = _solve_long(model, first_stage, pairs, segment, pairs.valid.copy())
-        if part is None:
+    for segment, bits in zip(segments, key_bits):
+        found = (_ranked_dp(pairs, segment, valid, bits, weights) if bits is not None
+                 else _solve_long(model, first_stage, pairs, segment, valid))
+        if found is None:
             return None
-        starts += part
+        starts += found
     return starts
 
 
@@ -245,15 +251,7 @@ def _solve_long(model: StageCostModel, first_stage: int, pairs: _PairCosts, segm
         return _keyed_segment(model, first_stage, pairs, segment, valid)
     parts = [_Segment(a, b, entry=nodes[a - segment.a], exit=nodes[b - segment.a],
                       bound=bound) for a, b in zip(cuts, cuts[1:])]
-    key_bits, weights = _ranked_weights(pairs, [(p.a, p.b) for p in parts], valid)
-    starts: list[int] = []
-    for part, bits in zip(parts, key_bits):
-        found = (_ranked_dp(pairs, part, valid, bits, weights) if bits is not None
-                 else _solve_long(model, first_stage, pairs, part, valid))
-        if found is None:
-            return None
-        starts += found
-    return starts
+    return _solve_segments(model, first_stage, pairs, parts, valid)
 
 
 @dataclasses.dataclass(frozen=True)
