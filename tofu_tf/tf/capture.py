@@ -103,34 +103,37 @@ def _uninitialized_creator(next_creator, **kwargs):
 
 def _trace(model, framework, batch_size, loss, optimizer, labels) -> _TraceResult:
     loss_fn = keras_adapter.get_loss(framework, loss)
-    opt = keras_adapter.fresh_optimizer(framework, optimizer)
     x_specs = keras_adapter.input_specs(model, batch_size)
     y_spec = labels if labels is not None else keras_adapter.label_spec(model, loss, batch_size)
     trainable = keras_adapter.trainable_variables(model)
     gradient_box: dict[str, str] = {}
 
-    def train_step(x, y):
-        with tf.variable_creator_scope(_uninitialized_creator):
-            with tf.GradientTape() as tape:
-                prediction = model(x if len(x) > 1 else x[0], training=True)
-                step_loss = loss_fn(y, prediction)
-                extra = keras_adapter.regularization_losses(model)
-                if extra:
-                    step_loss = step_loss + tf.add_n(extra)
-            grads = tape.gradient(step_loss, trainable)
-            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-            for var, grad in zip(trainable, grads):
-                if grad is not None:
-                    gradient_box[grad.name] = keras_adapter.variable_path(var)
-            opt.apply_gradients(zip(grads, trainable))
-        return step_loss
+    def step_with(opt):
+        def train_step(x, y):
+            with tf.variable_creator_scope(_uninitialized_creator):
+                with tf.GradientTape() as tape:
+                    prediction = model(x if len(x) > 1 else x[0], training=True)
+                    step_loss = loss_fn(y, prediction)
+                    extra = keras_adapter.regularization_losses(model)
+                    if extra:
+                        step_loss = step_loss + tf.add_n(extra)
+                grads = tape.gradient(step_loss, trainable)
+                grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+                for var, grad in zip(trainable, grads):
+                    if grad is not None:
+                        gradient_box[grad.name] = keras_adapter.variable_path(var)
+                opt.apply_gradients(zip(grads, trainable))
+            return step_loss
+        return train_step
 
-    concrete, slots = _trace_once(train_step, opt, framework, x_specs, y_spec, autograph=False)
-    if concrete is None:
-        # Python control flow on tensors somewhere in the model: trace it as Keras will, converted.
+    # Without AutoGraph first; with it (as Keras traces) only when the model branches or
+    # loops on a tensor in Python. Each attempt gets its own fresh optimizer.
+    for autograph in (False, True):
         gradient_box.clear()
         opt = keras_adapter.fresh_optimizer(framework, optimizer)
-        concrete, slots = _trace_once(train_step, opt, framework, x_specs, y_spec, autograph=True)
+        concrete, slots = _trace_once(step_with(opt), opt, framework, x_specs, y_spec, autograph=autograph)
+        if concrete is not None:
+            break
 
     variables, handle_paths = _collect_variables(model, opt, slots, gradient_box)
     input_names = tuple(t.name for t in concrete.graph.inputs[: len(x_specs) + 1])
