@@ -16,10 +16,15 @@ a ``tf.function`` concrete graph and translates that graph into
 * Sparse gradients (``IndexedSlices`` from an Embedding) are made dense,
   because that is what TofuStrategy trains with (DTensor cannot expand the
   sparse update); the IR describes the step that will run.
+* The optimizer's update is traced once per weight shape and copied into the
+  IR for the other weights of that shape (``update_stamps``): tracing it for
+  every weight was most of capture's time.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 from typing import Mapping
 
@@ -30,7 +35,7 @@ from tensorflow.python.framework import function_def_to_graph
 from tensorflow.python.ops import resource_variable_ops
 
 from tofu_tf import ir
-from tofu_tf.tf import keras_adapter
+from tofu_tf.tf import keras_adapter, update_stamps
 
 _CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 _LOOP_OPS = frozenset({"While", "StatelessWhile"})
@@ -61,19 +66,23 @@ class _TraceResult:
     gradient_names: Mapping[str, str]          # tensor name -> weight path
     handle_paths: Mapping[int, str]            # id(eager handle) -> variable path
     variables: Mapping[str, ir.Variable]
+    stamps: tuple[update_stamps.UpdateStamp, ...] = ()   # updates to copy rather than traced
 
 
-def capture_training_step(model, *, batch_size: int, loss, optimizer, labels: tf.TensorSpec | None = None) -> ir.Graph:
+def capture_training_step(model, *, batch_size: int, loss, optimizer, labels: tf.TensorSpec | None = None,
+                          trace_each_update: bool = False) -> ir.Graph:
     """Trace ``model``'s training step for ``batch_size`` and return its IR.
 
     ``loss`` and ``optimizer`` take what ``model.compile`` takes (names or
     objects). ``labels`` overrides the inferred label spec. The model must be
-    built; the user's optimizer is left untouched.
+    built; the user's optimizer is left untouched. ``trace_each_update`` traces
+    the optimizer's update for every weight instead of once per weight shape
+    (slower; the IR is the same up to op names).
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     framework = keras_adapter.framework_of(model)
-    traced = _trace(model, framework, batch_size, loss, optimizer, labels)
+    traced = _trace(model, framework, batch_size, loss, optimizer, labels, stamp_updates=not trace_each_update)
     layers = keras_adapter.layer_names(model)
     graph = _Translator(traced, layers).translate()
     graph = dataclasses.replace(graph, batch_size=batch_size, framework=framework)
@@ -101,7 +110,7 @@ def _uninitialized_creator(next_creator, **kwargs):
         shape=shape, dtype=dtype, name=kwargs.get("name"), trainable=kwargs.get("trainable", False))
 
 
-def _trace(model, framework, batch_size, loss, optimizer, labels) -> _TraceResult:
+def _trace(model, framework, batch_size, loss, optimizer, labels, *, stamp_updates=True) -> _TraceResult:
     loss_fn = keras_adapter.get_loss(framework, loss)
     x_specs = keras_adapter.input_specs(model, batch_size)
     y_spec = labels if labels is not None else keras_adapter.label_spec(model, loss, batch_size)
@@ -131,16 +140,17 @@ def _trace(model, framework, batch_size, loss, optimizer, labels) -> _TraceResul
     for autograph in (False, True):
         gradient_box.clear()
         opt = keras_adapter.fresh_optimizer(framework, optimizer)
-        concrete, slots = _trace_once(step_with(opt), opt, framework, x_specs, y_spec, autograph=autograph)
+        concrete, slots, stamps = _trace_once(step_with(opt), opt, framework, x_specs, y_spec, autograph=autograph,
+                                              weights=trainable if stamp_updates else None)
         if concrete is not None:
             break
 
     variables, handle_paths = _collect_variables(model, opt, slots, gradient_box)
     input_names = tuple(t.name for t in concrete.graph.inputs[: len(x_specs) + 1])
-    return _TraceResult(concrete.graph, input_names, gradient_box, handle_paths, variables)
+    return _TraceResult(concrete.graph, input_names, gradient_box, handle_paths, variables, tuple(stamps))
 
 
-def _trace_once(train_step, opt, framework, x_specs, y_spec, *, autograph):
+def _trace_once(train_step, opt, framework, x_specs, y_spec, *, autograph, weights):
     """Trace ``train_step`` once; ``(None, None)`` when tracing without AutoGraph
     fails, e.g. because the model branches or loops on a tensor in Python.
 
@@ -148,18 +158,23 @@ def _trace_once(train_step, opt, framework, x_specs, y_spec, *, autograph):
     every function the step calls is about a third of capture's time (0.2-0.3 s of
     CPU on a 4-layer MLP): most models need none of it, so capture tries first
     without, and only a model that needs it pays for it.
+
+    ``weights`` (the trainable variables) turns on tracing each optimizer update
+    once per weight shape; None traces every update.
     """
     with keras_adapter.recording_slots(opt, defer_zeros=framework == "tf_keras") as slots:
-        try:
-            concrete = tf.function(train_step, autograph=autograph).get_concrete_function(list(x_specs), y_spec)
-        except Exception as error:  # pylint: disable=broad-except
-            # Tensors used as Python bools or ints fail in many ways (OperatorNotAllowedInGraphError,
-            # TypeError from range(tensor), ...); a real error fails the AutoGraph trace again.
-            if autograph:
-                raise
-            logging.debug("capture: tracing again with AutoGraph after %s: %s", type(error).__name__, error)
-            return None, None
-    return concrete, slots
+        updates = update_stamps.UpdateRecorder(opt, [keras_adapter.tf_variable(w) for w in weights or ()], slots)
+        with updates.recording() if weights is not None else contextlib.nullcontext():
+            try:
+                concrete = tf.function(train_step, autograph=autograph).get_concrete_function(list(x_specs), y_spec)
+            except Exception as error:  # pylint: disable=broad-except
+                # Tensors used as Python bools or ints fail in many ways (OperatorNotAllowedInGraphError,
+                # TypeError from range(tensor), ...); a real error fails the AutoGraph trace again.
+                if autograph:
+                    raise
+                logging.debug("capture: tracing again with AutoGraph after %s: %s", type(error).__name__, error)
+                return None, None, None
+    return concrete, slots, updates.stamps
 
 
 def _collect_variables(model, opt, slots, gradient_box):
@@ -206,16 +221,26 @@ class _Translator:
         self._tensors: dict[str, ir.Tensor] = {}
         self._alias: dict[str, str] = {}
         self._handle_paths: dict[str, str] = {}
+        self._handle_of_path: dict[str, str] = {}   # filled when an update is stamped
         self._workspace: set[str] = set()
+        # traced op index -> how many IR ops precede it, before / after the stamps placed there
+        self._before_stamps: dict[int, int] = {}
+        self._after_stamps: dict[int, int] = {}
 
     def translate(self) -> ir.Graph:
         graph = self._traced.graph
         self._link_captured_handles(graph)
         inputs = set(self._traced.input_names)
-        for op in graph.get_operations():
+        stamps_at = collections.defaultdict(list)
+        for stamp in self._traced.stamps:
+            stamps_at[stamp.at].append(stamp)
+        operations = graph.get_operations()
+        for index, op in enumerate(operations):
+            self._place_stamps(index, stamps_at.get(index, ()))
             if op.type == "Placeholder" and op.outputs[0].name not in inputs:
                 continue  # a captured variable handle: tensors refer to it by path
             self._add_op(op, prefix="", graph=graph)
+        self._place_stamps(len(operations), stamps_at.get(len(operations), ()))
         tensors = self._with_consumers()
         variables = dict(self._traced.variables)
         for name, path in self._traced.gradient_names.items():
@@ -234,6 +259,45 @@ class _Translator:
                 path = f"captured/{internal.op.name}"
             if path is not None:
                 self._handle_paths[internal.name] = path
+
+    # optimizer updates copied from a traced one
+    def _place_stamps(self, index: int, stamps) -> None:
+        self._before_stamps[index] = len(self._ops)
+        for stamp in stamps:
+            self._stamp(stamp)
+        self._after_stamps[index] = len(self._ops)
+
+    def _stamp(self, stamp: update_stamps.UpdateStamp) -> None:
+        template = stamp.template
+        template_ops = self._ops[self._after_stamps[template.start]:self._before_stamps[template.end]]
+        paths = self._traced.handle_paths
+        source, weight = paths[template.weight_handle], paths[stamp.weight_handle]
+        slot_paths = {(v.slot_of, v.slot_name): v.path for v in self._traced.variables.values() if v.slot_of}
+        renamed_paths = {source: weight}
+        renamed_paths.update({path: slot_paths[(weight, name)] for (owner, name), path in slot_paths.items()
+                              if owner == source})
+        inputs = {self._resolve("", template.gradient): self._resolve("", stamp.gradient)}
+        for op in template_ops:
+            for name in op.inputs:
+                tensor = self._tensors.get(name)
+                if tensor is not None and tensor.role is ir.Role.RESOURCE and tensor.variable_path in renamed_paths:
+                    inputs[name] = self._handle_tensor(renamed_paths[tensor.variable_path])
+        ops, tensors = update_stamps.stamp(template_ops, self._tensors, weight=weight, inputs=inputs,
+                                           paths=renamed_paths)
+        self._ops.extend(ops)
+        self._tensors.update((t.name, t) for t in tensors)
+
+    def _handle_tensor(self, path: str) -> str:
+        """The resource tensor naming variable ``path``: its captured handle, or,
+        for a variable only a stamped update uses (a slot), one made for it."""
+        if not self._handle_of_path:
+            self._handle_of_path.update((p, internal) for internal, p in self._handle_paths.items())
+        if path in self._handle_of_path:
+            return self._resolve("", self._handle_of_path[path])
+        name = f"{update_stamps.STAMP_SCOPE}/{path}/resource:0"
+        self._tensors[name] = ir.Tensor(name=name, shape=(), dtype="resource", role=ir.Role.RESOURCE,
+                                        producer="", variable_path=path)
+        return name
 
     # ops
     def _add_op(self, op, *, prefix: str, graph) -> None:
