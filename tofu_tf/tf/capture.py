@@ -139,7 +139,7 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, *, stamp_updat
     # loops on a tensor in Python. Each attempt gets its own fresh optimizer.
     for autograph in (False, True):
         gradient_box.clear()
-        opt = keras_adapter.fresh_optimizer(framework, optimizer)
+        opt = keras_adapter.trace_updates_inline(keras_adapter.fresh_optimizer(framework, optimizer))
         concrete, slots, stamps = _trace_once(step_with(opt), opt, framework, x_specs, y_spec, autograph=autograph,
                                               weights=trainable if stamp_updates else None)
         if concrete is not None:

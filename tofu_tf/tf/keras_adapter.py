@@ -116,6 +116,19 @@ def fresh_optimizer(framework: str, optimizer):
     return optimizer.__class__.from_config(optimizer.get_config())
 
 
+def trace_updates_inline(optimizer):
+    """Trace ``optimizer``'s per-weight updates in the step's own graph.
+
+    On GPUs tf-keras compiles each weight's update as an XLA function of its
+    own; capture inlines function calls anyway, so the IR keeps the same ops,
+    and updates traced inline can be traced once per weight shape
+    (``update_stamps``). Only the capture's own copy of the optimizer is changed.
+    """
+    if getattr(optimizer, "jit_compile", False) and type(optimizer).__module__.startswith("tf_keras"):
+        optimizer.jit_compile = False
+    return optimizer
+
+
 class DeferredZeros:
     """A zeros initial value that knows its shape without being computed.
 

@@ -31,6 +31,7 @@ import dataclasses
 from typing import Iterator, Mapping, Sequence
 
 import tensorflow as tf
+from tensorflow.python.framework import func_graph
 
 from tofu_tf import ir
 from tofu_tf.tf import keras_adapter
@@ -91,7 +92,9 @@ class UpdateRecorder:
 
     def _update(self, original, gradient, variable, args, kwargs):
         graph = tf.compat.v1.get_default_graph()
-        if tf.executing_eagerly() or not isinstance(gradient, tf.Tensor):
+        if tf.executing_eagerly() or not isinstance(gradient, tf.Tensor) or _nested(graph):
+            # Stamps are placed among the step graph's own ops: an update traced inside a
+            # function of its own (tf-keras' XLA update on GPUs) is traced weight by weight.
             return original(gradient, variable, *args, **kwargs)
         tf_var = keras_adapter.tf_variable(variable)
         # Extra arguments (Keras 3 passes the learning rate) must be the same objects.
@@ -130,6 +133,11 @@ class UpdateRecorder:
 
 
 _UNSEEN = object()
+
+
+def _nested(graph) -> bool:
+    """Whether ``graph`` is a function traced inside another one (not the step's graph)."""
+    return isinstance(getattr(graph, "outer_graph", None), func_graph.FuncGraph)
 
 
 def _stamps_safely(optimizer) -> bool:
