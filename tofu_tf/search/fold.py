@@ -92,20 +92,22 @@ def find_run(index: "GraphIndex", *, min_count: int = 2) -> Run | None:
 def _candidate_periods(signature: np.ndarray, longest: int) -> list[int]:
     """Periods worth testing: in a run of period ``L`` a node's next equal node is at most
     ``L`` later, and the nodes that occur once per block are exactly ``L`` apart, so ``L``
-    is one of the gaps between consecutive equal signatures."""
+    is one of the gaps between consecutive equal signatures. (The distinct gaps are
+    taken with a set: ``np.unique`` imports ``numpy.ma`` on first use, 0.03 s of a
+    cold first plan.)"""
     order = np.argsort(signature, kind="stable")
     same = signature[order][1:] == signature[order][:-1]
     gaps = (order[1:] - order[:-1])[same]
-    return sorted(int(g) for g in np.unique(gaps) if 0 < g <= longest)
+    return sorted(g for g in set(gaps.tolist()) if 0 < g <= longest)
 
 
 def _phase(index: "GraphIndex", first: int, period: int, span: int) -> int:
     """Where in the periodic span to cut blocks: the boundary fewest uses cross."""
+    ends = np.asarray([(use.consumer_node, use.producer_node) for use in index.use_table],
+                      dtype=np.int64).reshape(-1, 2)
     crossing = np.zeros(len(index.node_names()) + 2, dtype=np.int64)
-    for use in index.use_table:
-        lo, hi = sorted((use.consumer_node, use.producer_node))
-        crossing[lo + 1] += 1      # crosses a boundary x (between x-1 and x) for lo < x <= hi
-        crossing[hi + 1] -= 1
+    np.add.at(crossing, ends.min(axis=1) + 1, 1)     # a use crosses boundary x (between x-1 and x)
+    np.add.at(crossing, ends.max(axis=1) + 1, -1)    # for lo < x <= hi
     crossing = np.cumsum(crossing)
     last = min(first + period - 1, first + span - 2 * period)     # keep at least two blocks
     candidates = range(first, max(first, last) + 1)
