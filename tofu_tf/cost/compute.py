@@ -75,7 +75,7 @@ def split_factor(strategies, sizes) -> int:
 
 def is_split(strategy: OpStrategy) -> bool:
     """Whether a strategy divides the op's work (anything but every tensor whole)."""
-    return any(not s.replicated for s in (*strategy.inputs, *strategy.outputs))
+    return strategy.divides_work
 
 
 def _shape(graph: ir.Graph, name: str) -> tuple[int, ...] | None:

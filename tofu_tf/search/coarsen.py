@@ -166,6 +166,7 @@ class GraphIndex:
         self.peak_live = self._peak_live(liveness)
         self._strategy_cache: dict[tuple[str, int], tuple[OpStrategy, ...]] = {}
         self._tied_cache: dict[tuple, OpStrategy | None] = {}
+        self._group_cache: dict[tuple, dict[str, OpStrategy] | None] = {}
         self.matrix_cache: dict[tuple, np.ndarray] = {}   # transfer tables, by value (splits, bytes, n, link)
         self.members, self.paths = self._members()
         self.use_table, self.tie_edges = self._use_table()
@@ -271,11 +272,12 @@ class GraphIndex:
     def _consumers_through_aliases(self) -> dict[str, tuple[str, ...]]:
         if not hasattr(self, "_consumer_cache"):
             out: dict[str, list[str]] = {}
+            aliases = self.aliases
             for op in self.graph.ops:
                 if op.type in ALIAS_OPS:
                     continue
                 for t in op.inputs:
-                    out.setdefault(self.source(t), []).append(op.name)
+                    out.setdefault(aliases.get(t, t), []).append(op.name)
             self._consumer_cache = {k: tuple(v) for k, v in out.items()}
         return self._consumer_cache
 
@@ -416,6 +418,31 @@ class GraphIndex:
         return frozenset(liveness.names[i] for i in np.nonzero(alive)[0])
 
     # -- strategies --------------------------------------------------------------
+    def group_strategies(self, key: str, split: TensorSplit, n: int) -> dict[str, OpStrategy] | None:
+        """Per member op of variable group ``key`` when its weight is laid out as ``split`` on
+        an axis of ``n`` devices: reads produce that layout, assigns write it, folded update
+        ops take their tied strategy; None if a folded op has none. Nothing here depends on
+        earlier axes, so it is made once per (group, split, n) and shared, read-only, by every
+        axis problem of that size (each still checks the folded ops against its earlier axes)."""
+        cache_key = (key, split, n)
+        if cache_key in self._group_cache:
+            return self._group_cache[cache_key]
+        group, tensors = self.groups[key], self.graph.tensors
+        out: dict[str, OpStrategy] | None = {}
+        for name in group.reads:
+            out[name] = OpStrategy("read", (REPLICATED,), (split,))
+        for name in group.assigns:
+            out[name] = OpStrategy("assign", (REPLICATED,) + tuple(
+                split_of(tensors[t], split) for t in self.ops[name].inputs[1:]), ())
+        for name in group.folded:
+            match = self.tied_strategy(name, split, n)
+            if match is None:
+                out = None
+                break
+            out[name] = match
+        self._group_cache[cache_key] = out
+        return out
+
     def tied_strategy(self, op_name: str, split: TensorSplit, n: int) -> OpStrategy | None:
         """The strategy of a folded update op that lays every weight-shaped tensor out as
         ``split`` (scalars whole), or None if it has none."""

@@ -38,7 +38,7 @@ import numpy as np
 from tofu_tf.cost.collectives import transfer_seconds
 from tofu_tf.cost.compute import is_split
 from tofu_tf.cost.hardware import Link
-from tofu_tf.search.coarsen import P_SUM, GraphIndex, TieEdge, Use, VarGroup, split_of
+from tofu_tf.search.coarsen import P_SUM, GraphIndex, TieEdge, Use, VarGroup
 from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, TensorSplit
 
 TIE_PENALTY = 1e3   # seconds: larger than any step, so a broken gradient tie never wins
@@ -310,18 +310,12 @@ class ProblemBuilder:
         return work / factor
 
     def _group_strategies(self, group: VarGroup, split: TensorSplit) -> dict[str, OpStrategy] | None:
-        out: dict[str, OpStrategy] = {}
-        for name in group.reads:
-            out[name] = OpStrategy("read", (REPLICATED,), (split,))
-        for name in group.assigns:
-            op = self.index.ops[name]
-            out[name] = OpStrategy("assign", (REPLICATED,) + tuple(
-                split_of(self.tensors[t], split) for t in op.inputs[1:]), ())
-        for name in group.folded:
-            match = self.index.tied_strategy(name, split, self.n)
-            if match is None or not self._strategy_legal(name, match):
-                return None
-            out[name] = match
+        """The group's member strategies under ``split`` (shared by every problem of this axis
+        size: do not change them), or None if a folded update op cannot follow the split or
+        an earlier axis already split the dim it would split."""
+        out = self.index.group_strategies(group.key, split, self.n)
+        if out is None or not all(self._strategy_legal(name, out[name]) for name in group.folded):
+            return None
         return out
 
     def _input_options(self, name: str) -> list[Option]:
@@ -356,7 +350,10 @@ class ProblemBuilder:
         return options
 
     def _strategy_legal(self, name: str, strategy: OpStrategy) -> bool:
-        """DTensor's rules: a dim split on an earlier axis is not split again; splits divide."""
+        """DTensor's rules: a dim split on an earlier axis is not split again; splits divide.
+        (A strategy that splits nothing -- every op's replicate-all -- breaks neither.)"""
+        if not strategy.divides_work:
+            return True
         op = self.index.ops[name]
         for names, splits, side in ((op.inputs, strategy.inputs, "in"), (op.outputs, strategy.outputs, "out")):
             for i, (t, split) in enumerate(zip(names, splits)):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 
 
 class Reduction(enum.Enum):
@@ -61,6 +62,13 @@ class OpStrategy:
     name: str
     inputs: tuple[TensorSplit, ...]
     outputs: tuple[TensorSplit, ...]
+
+    @functools.cached_property
+    def divides_work(self) -> bool:
+        """Whether any tensor is split or partial, i.e. the axis's devices share the op's
+        work. Every per-axis problem asks this per op, option and earlier axis, and
+        strategies are shared objects (cached per op signature), so it is kept here."""
+        return any(not s.replicated for s in (*self.inputs, *self.outputs))
 
     def text(self) -> str:
         ins = ",".join(s.text() for s in self.inputs)
