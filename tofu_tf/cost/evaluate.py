@@ -123,11 +123,11 @@ class StepPricer:
         self._live_producer = np.asarray(live_producer, dtype=np.int64)
         self._live_out = np.asarray(live_out, dtype=np.int64)
         self._live_bytes = self.liveness.full_bytes
-        self._made_by = made_by
+        self.made_by = made_by        # tensor -> (producing op, output index); the Plan reads it too
 
     def producer_splits(self, op_strategies, num_axes: int, names) -> dict[str, tuple[TensorSplit, ...]]:
         """Per tensor in ``names``, the split it is produced in on each axis."""
-        made = [(name, *self._made_by.get(self.aliases.get(name, name), (None, 0))) for name in names]
+        made = [(name, *self.made_by.get(self.aliases.get(name, name), (None, 0))) for name in names]
         return _splits_of(made, op_strategies, num_axes)
 
     def price(self, mesh: MeshSpec, hardware: HardwareProfile, op_strategies: Mapping[str, Sequence[OpStrategy]],

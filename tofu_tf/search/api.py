@@ -26,6 +26,7 @@ from tofu_tf.search import baselines, tofu_dp
 from tofu_tf.search.coarsen import GraphIndex, StrategyProvider
 from tofu_tf.search.problem import TIE_PENALTY, AxisDecision, AxisProblem, ProblemBuilder
 from tofu_tf.search.targets import Target, as_target, pinned_variables, restrict_provider
+from tofu_tf.semantics.strategy import REPLICATED
 
 _MEMORY_LAMBDA = 1.0        # seconds per byte: memory dominates any communication time
 _BISECTION_STEPS = 8
@@ -317,18 +318,26 @@ def _to_plan(best: _Candidate, graph: ir.Graph, method: Method, objective: Objec
              hardware: HardwareProfile, budget, seconds: float, search: _Search, target: Target) -> Plan:
     names = _axis_names(best, search.index, method)
     op_strategies, var_splits = _merge(best.decisions)
-    produced = search.pricer.producer_splits(op_strategies, len(names), graph.tensors)
+    # Every tensor's layout is its producer's output split on each axis. Strategies are shared
+    # objects (one per op signature and split), so layouts repeat: they are made once per
+    # (identity of the producer's strategies, output, rank) -- all alive here.
+    made_by, aliases, whole = search.pricer.made_by, search.pricer.aliases, (REPLICATED,) * len(names)
     tensor_layouts, partial = {}, {}
-    seen: dict[tuple, tuple] = {}      # by the identity of the split objects (alive here): layouts repeat
+    seen: dict[tuple, tuple] = {}
+    resource, dtype_bytes = ir.Role.RESOURCE, ir.DTYPE_BYTES
     for name, tensor in graph.tensors.items():
-        if tensor.role is ir.Role.RESOURCE or ir.dtype_size(tensor.dtype) == 0:
+        if tensor.role is resource or dtype_bytes.get(tensor.dtype, 0) == 0:
             continue
-        splits = produced[name]
-        key = (tuple(map(id, splits)), tensor.rank)
-        if key not in seen:
-            seen[key] = (_layout(splits, names, tensor.rank),
-                         tuple(n for s, n in zip(splits, names) if s.partial is not None))
-        tensor_layouts[name], axes = seen[key]
+        op_name, index = made_by.get(aliases.get(name, name), (None, 0))
+        strategies = op_strategies.get(op_name)
+        key = (None if strategies is None else tuple(map(id, strategies)), index, tensor.rank)
+        found = seen.get(key)
+        if found is None:
+            splits = whole if strategies is None else tuple(
+                s.outputs[index] if index < len(s.outputs) else REPLICATED for s in strategies)
+            found = seen[key] = (_layout(splits, names, tensor.rank),
+                                 tuple(n for s, n in zip(splits, names) if s.partial is not None))
+        tensor_layouts[name], axes = found
         if axes:
             partial[name] = axes
     variable_layouts = {path: _layout(var_splits.get(path, ()), names, len(var.shape))
