@@ -119,12 +119,12 @@ class _Factors:
             if perm != list(range(len(nodes))):
                 table = table.transpose(perm)
             present = {nodes[a] for a in perm}
-            total = total + table.reshape(tuple(self.domain[v] if v in present else 1 for v in order))
+            total += table.reshape(tuple(self.domain[v] if v in present else 1 for v in order))   # in place
             for v in nodes:
                 if v != x:
                     self.of_node[v].discard(fid)
-        argmin = np.argmin(total, axis=0)
-        best = np.min(total, axis=0)
+        argmin = total.argmin(axis=0)
+        best = total.min(axis=0)
         self.add(tuple(rest), best)
         return _Record(x, tuple(rest), argmin)
 
