@@ -1,6 +1,8 @@
 """The description language: golden one-line texts of builtin descriptions,
 the index-lambda front end and its errors. No TensorFlow."""
 
+import functools
+
 import pytest
 
 from tofu_tf import semantics
@@ -125,6 +127,22 @@ def test_a_program_traces_to_its_text():
                  input_shapes=[(8, 8), (8, 16)], output_shapes=[(8, 16)])
     assert str(desc) == "([i, k],[k, j])->([i, j]) {i=8, j=16, k=8} sum(k)"
     assert desc.size_of == {"i": 8, "j": 16, "k": 8}
+
+
+def _indexed(fn):
+    @functools.wraps(fn)
+    def wrapper(*indices):
+        return fn(*indices)
+    return wrapper
+
+
+def test_index_names_come_from_each_lambda_even_through_a_shared_wrapper():
+    # Parameters are kept per code object; every wrapper shares one (``*indices``), so its
+    # names must come from the function it wraps, each time.
+    for program, text in [(lambda a: _indexed(lambda i, j: a[i, j]), "([i, j])->([i, j]) {i=2, j=3}"),
+                          (lambda a: _indexed(lambda p, q: a[p, q]), "([p, q])->([p, q]) {p=2, q=3}"),
+                          (lambda a: lambda x, y: a[x, y], "([x, y])->([x, y]) {x=2, y=3}")]:
+        assert trace(program, op="Copy", input_shapes=[(2, 3)], output_shapes=[(2, 3)]).text() == text
 
 
 def test_where_writes_the_scatter_form_and_removes_placed_indices_from_the_reduction():

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
+import types
 from typing import Callable, Mapping, Sequence
 
 from tofu_tf.semantics.language import (
@@ -388,8 +389,31 @@ class Program:
     shape_attrs: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
+_PARAMETERS_BY_CODE: dict[types.CodeType, tuple[inspect.Parameter, ...]] = {}
+
+
+def _parameters(fn: Callable) -> tuple[inspect.Parameter, ...]:
+    """``inspect.signature(fn).parameters``, kept per code object for plain functions.
+
+    Descriptions are built from fresh lambdas of the same few code objects (one per op
+    builder), and ``inspect.signature`` is a tenth of a first description; a plain
+    function's parameter names and kinds are its code's. Anything else (partials,
+    wrapped or annotated-signature callables) is asked every time."""
+    plain = type(fn) is types.FunctionType and not hasattr(fn, "__wrapped__") and not hasattr(fn, "__signature__")
+    if not plain:
+        return tuple(inspect.signature(fn).parameters.values())
+    found = _PARAMETERS_BY_CODE.get(fn.__code__)
+    if found is None:
+        found = _PARAMETERS_BY_CODE[fn.__code__] = tuple(inspect.signature(fn).parameters.values())
+    return found
+
+
+def _has_star_indices(fn: Callable) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in _parameters(fn))
+
+
 def _param_names(fn: Callable, names) -> tuple[str, ...]:
-    params = inspect.signature(fn).parameters.values()
+    params = _parameters(fn)
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         if names is None:
             raise DescriptionError("a lambda over *indices needs explicit names (Out(fn, names=...))")
@@ -493,8 +517,7 @@ def _trace_output(tracer: _Tracer, entry, k: int, shape) -> "OutputDesc":
     fn, names = (entry.fn, entry.names) if isinstance(entry, Out) else (entry, None)
     if not callable(fn):
         raise DescriptionError(f"{tracer.op}: output {k} is {entry!r}, not an index lambda")
-    if names is None and any(p.kind is inspect.Parameter.VAR_POSITIONAL
-                             for p in inspect.signature(fn).parameters.values()):
+    if names is None and _has_star_indices(fn):
         names = default_names(len(shape))
     params = _param_names(fn, names)
     if len(params) != len(shape):
