@@ -245,6 +245,10 @@ def main(argv):
     params = FLAGS.depth * (FLAGS.width * FLAGS.width + FLAGS.width) + FLAGS.width * 10 + 10
     print(f"MLP {FLAGS.depth} x Dense({FLAGS.width}) + Dense(10), {params / 1e6:.1f}M params, Adam, batch "
           f"{FLAGS.batch_size}, {FLAGS.steps} fit steps, {NUM_DEVICES} virtual CPUs; median of {FLAGS.repeats}")
+    # Where PYTHONDONTWRITEBYTECODE is set, every run compiles tofu_tf's modules from source
+    # while it plans (the hand-written plan imports none of them): say which case this is.
+    print("tofu_tf modules: " + ("compiled from source in every run (PYTHONDONTWRITEBYTECODE is set)"
+                                 if sys.flags.dont_write_bytecode else "loaded from bytecode caches"))
     print(f"{'method':<22}{'peak RSS GiB':>14}{'build s':>9}{'fit s':>8}{'total s':>9}{'cpu s':>7}{'step ms':>9}"
           f"{'RSS / hand':>12}{'total / hand':>14}{'cpu / hand':>12}{'step / hand':>13}")
     for method, m in medians.items():

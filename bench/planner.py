@@ -24,6 +24,8 @@ Usage: python bench/planner.py [--models mlp,gpt12] [--devices 8,64] [--cache /t
 from __future__ import annotations
 
 import argparse
+import hashlib
+import inspect
 import os
 import statistics
 import sys
@@ -49,12 +51,17 @@ MODELS = {
 
 
 def load_graph(key: str, cache: str | None) -> ir.Graph:
-    path = os.path.join(cache, f"{key}.json") if cache else None
+    """The model's captured step, from ``cache`` when it holds one captured from this very
+    spec: the file name carries a digest of the spec's label, batch and builder source, so a
+    graph cached before a model's definition changed is captured again, not reused."""
+    label, batch, build = MODELS[key]
+    spec = f"{label}|{batch}|{inspect.getsource(build).strip()}"
+    digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
+    path = os.path.join(cache, f"{key}-{digest}.json") if cache else None
     if path and os.path.exists(path):
         return ir.Graph.from_json(open(path).read())
     from tofu_tf import models
     from tofu_tf.tf.capture import capture_training_step
-    _, batch, build = MODELS[key]
     graph = capture_training_step(build(models), batch_size=batch, loss="sparse_categorical_crossentropy",
                                   optimizer="adam")
     if path:
