@@ -53,6 +53,29 @@ def test_too_wide_elimination_falls_back_to_the_cut_dp():
     assert fallback.exact and abs(fallback.objective - tofu_dp.solve_axis(problem).objective) < 1e-15
 
 
+@settings(max_examples=40, deadline=None)
+@given(random_problems(), st.sampled_from([0.0, 0.5]))
+def test_too_wide_problems_go_to_the_ilp_and_keep_its_proved_optimum(problem, lam):
+    """Where elimination's tables are too wide, the planner's HiGHS pass answers
+    (proved optimal), not the capped cut DP."""
+    solution = tofu_dp.solve_axis(problem, lam, max_entries=0, max_states=1,
+                                  too_wide=lambda p, l: ilp.solve_axis(p, l))
+    assert solution.exact
+    assert abs(solution.objective - _brute_force(problem, lam)) < 1e-9
+
+
+def test_an_unproved_wide_solution_loses_to_a_better_cut_dp():
+    problem = ProblemBuilder(GraphIndex(mlp_graph(), stub_strategies), (), 4, H100_NVLINK.intra_node).build()
+    best = tofu_dp.solve_axis(problem)
+    worst = max(range(len(problem.nodes[0].options)), key=lambda a: problem.objective((a,) + best.choice[1:], 0.0))
+    choice = (worst,) + best.choice[1:]
+    poor = tofu_dp.AxisSolution(choice, problem.objective(choice, 0.0), False, 0)
+    assert poor.objective > best.objective
+    chosen = tofu_dp.solve_axis(problem, max_entries=0, max_states=10_000, too_wide=lambda p, l: poor)
+    assert chosen.exact and abs(chosen.objective - best.objective) < 1e-15
+    assert tofu_dp.solve_axis(problem, max_entries=0, max_states=10_000, too_wide=lambda p, l: None).exact
+
+
 @st.composite
 def random_graphs(draw):
     """Random MLP-shaped training steps (forward, backward, update) with random widths."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import time
 from typing import Callable, Mapping, Sequence
@@ -63,6 +64,8 @@ def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | 
 
     ``method``: "tofu" (recursive DP), "ilp" (the same problems as integer
     programs, HiGHS, ``time_limit_s`` per axis), "data_parallel" or "megatron".
+    "tofu" also hands HiGHS (``time_limit_s``) an axis problem too wide for exact
+    elimination, such as an unrolled RNN's (``tofu_dp.solve_axis``).
     ``memory_budget_bytes`` defaults to the hardware's device memory.
     ``mesh_shape`` fixes the mesh (dict name -> size, or a tuple of sizes).
     ``objective``: "time" (modeled step seconds: communication + compute), "comm"
@@ -150,7 +153,18 @@ def _solver(method: Method, max_states: int, time_limit_s: float) -> AxisSolver:
     if method is Method.ILP:
         from tofu_tf.search import ilp
         return lambda problem, lam: ilp.solve_axis(problem, lam, time_limit_s=time_limit_s)
-    return lambda problem, lam: tofu_dp.solve_axis(problem, lam, max_states=max_states)
+    too_wide = functools.partial(_solve_too_wide, time_limit_s=time_limit_s)
+    return lambda problem, lam: tofu_dp.solve_axis(problem, lam, max_states=max_states, too_wide=too_wide)
+
+
+def _solve_too_wide(problem, lam: float, *, time_limit_s: float):
+    """HiGHS on an axis problem too wide for exact elimination (``tofu_dp.solve_axis``
+    says when); None when it finds no solution within ``time_limit_s``."""
+    from tofu_tf.search import ilp
+    try:
+        return ilp.solve_axis(problem, lam, time_limit_s=time_limit_s)
+    except ilp.ILPError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
