@@ -199,16 +199,22 @@ def test_segments_too_long_for_ranked_keys_stay_exact(monkeypatch, key_bits):
         _assert_matches_reference(plan, layers, schedule, m, (trial, kind))
 
 
+def _scaled_chain(rng, trial):
+    """A random chain for the table tests: analytic and monotone by turns, up to 39
+    layers and 8 stages, byte scales 1, 10 or 1000. Returns (layers count, stages, layers)."""
+    kind = ["analytic", "monotone"][trial % 2]
+    n = int(rng.integers(2, 40))
+    p = int(rng.integers(1, min(n, 8) + 1))
+    return n, p, _random_chain(rng, n, kind, scale=int(rng.choice([1, 10, 1000])))
+
+
 def test_table_probes_equal_layer_by_layer_probes(monkeypatch):
     """The vectorised right greedy (greedy_tables) gives the same starts, peak,
     next bound and excess as the layer-by-layer scan, on monotone chains with
     and without transients, for bounds around the min-max."""
     rng = np.random.default_rng(77)
     for trial in range(150):
-        kind = ["analytic", "monotone"][trial % 2]
-        n = int(rng.integers(2, 40))
-        p = int(rng.integers(1, min(n, 8) + 1))
-        layers = _random_chain(rng, n, kind, scale=int(rng.choice([1, 10, 1000])))
+        n, p, layers = _scaled_chain(rng, trial)
         model = search_module.StageCostModel.build(layers, p, "1f1b", int(rng.integers(1, 9)))
         if not model.monotone:
             continue
@@ -226,10 +232,7 @@ def test_table_left_greedy_equals_layer_by_layer(monkeypatch):
     stretch, with shared and rare multipliers, at bounds around the min-max."""
     rng = np.random.default_rng(78)
     for trial in range(150):
-        kind = ["analytic", "monotone"][trial % 2]
-        n = int(rng.integers(2, 40))
-        p = int(rng.integers(1, min(n, 8) + 1))
-        layers = _random_chain(rng, n, kind, scale=int(rng.choice([1, 10, 1000])))
+        n, p, layers = _scaled_chain(rng, trial)
         if trial % 3 == 0:  # tall transients
             layers = [_layer(i, l.state_bytes, l.activation_bytes,
                              l.transient_bytes * int(rng.choice([1, 40])), l.isolated_bytes,

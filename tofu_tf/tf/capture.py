@@ -24,7 +24,6 @@ a ``tf.function`` concrete graph and translates that graph into
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 from typing import Mapping
 
@@ -141,7 +140,7 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, *, stamp_updat
         gradient_box.clear()
         opt = keras_adapter.trace_updates_inline(keras_adapter.fresh_optimizer(framework, optimizer))
         concrete, slots, stamps = _trace_once(step_with(opt), opt, framework, x_specs, y_spec, autograph=autograph,
-                                              weights=trainable if stamp_updates else None)
+                                              weights=trainable, stamp_updates=stamp_updates)
         if concrete is not None:
             break
 
@@ -150,8 +149,8 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, *, stamp_updat
     return _TraceResult(concrete.graph, input_names, gradient_box, handle_paths, variables, tuple(stamps))
 
 
-def _trace_once(train_step, opt, framework, x_specs, y_spec, *, autograph, weights):
-    """Trace ``train_step`` once; ``(None, None)`` when tracing without AutoGraph
+def _trace_once(train_step, opt, framework, x_specs, y_spec, *, autograph, weights, stamp_updates):
+    """Trace ``train_step`` once; ``(None, None, None)`` when tracing without AutoGraph
     fails, e.g. because the model branches or loops on a tensor in Python.
 
     Capture only needs the ops of one step, and AutoGraph's source conversion of
@@ -159,12 +158,12 @@ def _trace_once(train_step, opt, framework, x_specs, y_spec, *, autograph, weigh
     CPU on a 4-layer MLP): most models need none of it, so capture tries first
     without, and only a model that needs it pays for it.
 
-    ``weights`` (the trainable variables) turns on tracing each optimizer update
-    once per weight shape; None traces every update.
+    ``stamp_updates`` traces the optimizer's update once per shape of the trainable
+    ``weights`` (``update_stamps``); otherwise every update is traced.
     """
     with keras_adapter.recording_slots(opt, defer_zeros=framework == "tf_keras") as slots:
-        updates = update_stamps.UpdateRecorder(opt, [keras_adapter.tf_variable(w) for w in weights or ()], slots)
-        with updates.recording() if weights is not None else contextlib.nullcontext():
+        updates = update_stamps.UpdateRecorder(opt, [keras_adapter.tf_variable(w) for w in weights], slots)
+        with updates.recording(enabled=stamp_updates):
             try:
                 concrete = tf.function(train_step, autograph=autograph).get_concrete_function(list(x_specs), y_spec)
             except Exception as error:  # pylint: disable=broad-except
@@ -221,7 +220,8 @@ class _Translator:
         self._tensors: dict[str, ir.Tensor] = {}
         self._alias: dict[str, str] = {}
         self._handle_paths: dict[str, str] = {}
-        self._handle_of_path: dict[str, str] = {}   # filled when an update is stamped
+        self._handle_of_path: dict[str, str] = {}
+        self._slot_paths = {(v.slot_of, v.slot_name): v.path for v in traced.variables.values() if v.slot_of}
         self._workspace: set[str] = set()
         # traced op index -> how many IR ops precede it, before / after the stamps placed there
         self._before_stamps: dict[int, int] = {}
@@ -259,6 +259,7 @@ class _Translator:
                 path = f"captured/{internal.op.name}"
             if path is not None:
                 self._handle_paths[internal.name] = path
+                self._handle_of_path.setdefault(path, internal.name)
 
     # optimizer updates copied from a traced one
     def _place_stamps(self, index: int, stamps) -> None:
@@ -272,9 +273,8 @@ class _Translator:
         template_ops = self._ops[self._after_stamps[template.start]:self._before_stamps[template.end]]
         paths = self._traced.handle_paths
         source, weight = paths[template.weight_handle], paths[stamp.weight_handle]
-        slot_paths = {(v.slot_of, v.slot_name): v.path for v in self._traced.variables.values() if v.slot_of}
         renamed_paths = {source: weight}
-        renamed_paths.update({path: slot_paths[(weight, name)] for (owner, name), path in slot_paths.items()
+        renamed_paths.update({path: self._slot_paths[(weight, name)] for (owner, name), path in self._slot_paths.items()
                               if owner == source})
         inputs = {self._resolve("", template.gradient): self._resolve("", stamp.gradient)}
         for op in template_ops:
@@ -290,8 +290,6 @@ class _Translator:
     def _handle_tensor(self, path: str) -> str:
         """The resource tensor naming variable ``path``: its captured handle, or,
         for a variable only a stamped update uses (a slot), one made for it."""
-        if not self._handle_of_path:
-            self._handle_of_path.update((p, internal) for internal, p in self._handle_paths.items())
         if path in self._handle_of_path:
             return self._resolve("", self._handle_of_path[path])
         name = f"{update_stamps.STAMP_SCOPE}/{path}/resource:0"

@@ -75,8 +75,9 @@ class UpdateRecorder:
         self.stamps: list[UpdateStamp] = []
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator["UpdateRecorder"]:
-        if not _stamps_safely(self._optimizer):
+    def recording(self, enabled: bool = True) -> Iterator["UpdateRecorder"]:
+        """While active, updates are traced once per weight shape (if ``enabled`` and safe)."""
+        if not enabled or not _stamps_safely(self._optimizer):
             yield self
             return
         original = self._optimizer.update_step
