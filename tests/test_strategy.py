@@ -206,3 +206,29 @@ def test_too_late_for_virtual_devices_names_the_fix():
     from tofu_tf.tf import devices
     with pytest.raises(devices.DeviceSetupError, match="before running any TensorFlow op"):
         devices.configure_virtual_cpus(16)
+
+
+@pytest.mark.parametrize("user_choice", [None, True])
+def test_distributed_dataset_autotunes_only_when_asked(user_choice):
+    """Autotuned iterators make fit/evaluate wait seconds at their end (see
+    _without_autotune_thread); a user's explicit choice is kept."""
+    strategy = TofuStrategy(8, plan=hand_plan("mlp"))
+    with strategy.scope():
+        model = h.build("mlp")
+        h.compile_model(model)
+    strategy.plan_model(model, batch_size=h.BATCH)
+    x, y = h.data_for(model)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(h.BATCH, drop_remainder=True)
+    if user_choice is not None:
+        options = tf.data.Options()
+        options.autotune.enabled = user_choice
+        dataset = dataset.with_options(options)
+    distributed = strategy.experimental_distribute_dataset(dataset)
+    # DTensorDataset keeps the dataset it will split per device as _batched_dataset.
+    enabled = distributed._batched_dataset.options().autotune.enabled  # pylint: disable=protected-access
+    assert enabled is (False if user_choice is None else user_choice)
+    # Reading past the end fails asynchronously under DTensor; take what Keras takes.
+    assert int(distributed.cardinality()) == h.STEPS
+    features, _ = next(iter(distributed))
+    np.testing.assert_array_equal(variables_lib.gather_to_host(features, dtensor.fetch_layout(features)),
+                                  x[:h.BATCH])
