@@ -259,8 +259,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
     def _materialize_deferred(self) -> None:
         with tf.init_scope():
-            for variable in self._deferred:
-                variables_lib.materialize(variable, self._layout_of(variable))
+            variables_lib.materialize_all((variable, self._layout_of(variable)) for variable in self._deferred)
             for variable in self._early:
                 variables_lib.rehome(variable, self._layout_of(variable))
         self._deferred.clear()

@@ -1,5 +1,10 @@
 """Variables TofuStrategy creates: optimizer slots start as shards, never as a full-size tensor."""
 
+import functools
+import os
+import subprocess
+import sys
+
 import numpy as np
 import tensorflow as tf
 import tf_keras as keras
@@ -65,3 +70,71 @@ def test_whole_initial_values_are_scattered_shard_by_shard():
     moved = variables_lib.rehome(variable, dtensor.Layout(["model", "batch"], mesh))
     assert moved is variable and [tuple(s.shape) for s in dtensor.unpack(moved.read_value())] == [(1, 4)] * 8
     np.testing.assert_array_equal(moved.numpy(), full)
+
+
+def test_drawing_together_gives_the_values_drawn_one_by_one():
+    """materialize_all draws Keras initializers in one DTensor function; each value, its
+    layout and its shards equal what materialize draws for that variable alone."""
+    mesh = _mesh()
+    specs = [("k0", (8, 12), dtensor.Layout([dtensor.UNSHARDED, "model"], mesh), keras.initializers.GlorotUniform(seed=3)),
+             ("k1", (12, 8), dtensor.Layout(["model", "batch"], mesh), keras.initializers.RandomNormal(seed=4)),
+             ("b0", (12,), dtensor.Layout(["model"], mesh), keras.initializers.Zeros()),
+             ("b1", (8,), dtensor.Layout.replicated(mesh, 1), keras.initializers.RandomUniform(seed=5)),
+             ("c", (4, 8), dtensor.Layout(["batch", "model"], mesh), lambda: tf.reshape(tf.range(32.0), (4, 8)))]
+
+    def deferred():
+        made = []
+        for name, shape, layout, init in specs:
+            value = init if not isinstance(init, keras.initializers.Initializer) else \
+                functools.partial(init, shape, dtype=tf.float32)
+            made.append((variables_lib.DeferredVariable(
+                initial_value=value, shape=tf.TensorShape(shape), dtype=tf.float32, name=name, trainable=True,
+                extra_kwargs={}), layout))
+        return made
+
+    alone = [variables_lib.materialize(variable, layout) for variable, layout in deferred()]
+    together = deferred()
+    variables_lib.materialize_all(together)
+    for one, (other, layout) in zip(alone, together):
+        assert isinstance(other, variables_lib.TofuVariable) and other.layout == layout == one.layout
+        for a, b in zip(dtensor.unpack(one.read_value()), dtensor.unpack(other.read_value())):
+            assert a.shape == b.shape
+            np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=one.name)
+    assert np.abs(together[0][0].numpy()).max() > 0  # drawn, not left at zero
+
+
+_DRAW_PROBE = """
+import functools
+from tofu_tf.tf import devices
+devices.configure_virtual_cpus(8)
+import tensorflow as tf
+import tf_keras as keras
+from tensorflow.experimental import dtensor
+from tofu_tf.tf import lowering
+from tofu_tf.tf import variables as variables_lib
+mesh = lowering.make_mesh({"model": 8}, devices.DeviceSet("CPU", tuple(f"CPU:{i}" for i in range(8)), virtual=True))
+shape = (2048, 2048)
+init = functools.partial(keras.initializers.GlorotUniform(seed=1), shape, dtype=tf.float32)
+deferred = variables_lib.DeferredVariable(initial_value=init, shape=tf.TensorShape(shape), dtype=tf.float32,
+                                          name="kernel", trainable=True, extra_kwargs={})
+tf.config.experimental.reset_memory_stats("CPU:0")
+start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+variables_lib.materialize(deferred, dtensor.Layout([dtensor.UNSHARDED, "model"], mesh))
+print(4 * shape[0] * shape[1], tf.config.experimental.get_memory_info("CPU:0")["peak"] - start)
+"""
+
+
+def test_sharded_draw_allocates_only_the_shards():
+    """A kernel sharded on 8 devices is drawn shard by shard: the process (all 8 virtual
+    CPUs share one allocator) peaks at the kernel's size once, its shards. Drawn eagerly,
+    tf-keras computed it whole on one device first and the peak was 3x.
+
+    Runs in a subprocess: the allocator statistics need TF_CPU_ALLOCATOR_USE_BFC set before
+    TF starts, and that allocator is not used by the rest of the suite.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", _DRAW_PROBE], env=env, capture_output=True, text=True,
+                         check=True, timeout=300)
+    full_bytes, peak = (int(v) for v in out.stdout.split()[-2:])
+    assert peak < 1.25 * full_bytes, (peak, full_bytes)
