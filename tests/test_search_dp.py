@@ -122,3 +122,24 @@ def test_ilp_reports_incumbents_and_stops_at_a_target(monkeypatch):
     plain = ilp.solve_axis(problem)
     assert plain.exact and plain.incumbents == ()
     assert abs(plain.objective - dp.objective) <= 1e-9 * max(dp.objective, 1e-12)
+
+
+def test_ilp_prints_nothing():
+    """HiGHS prints a banner on its first construction in a process, from C; tofu hands HiGHS
+    wide axes while a user's script trains, so the solve must keep stdout clean. A fresh
+    process, so that no earlier test has already printed (and used up) the banner."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = ("from tests.test_search_support import mlp_graph, stub_strategies\n"
+              "from tofu_tf.cost.hardware import H100_NVLINK\n"
+              "from tofu_tf.search import ilp\n"
+              "from tofu_tf.search.coarsen import GraphIndex\n"
+              "from tofu_tf.search.problem import ProblemBuilder\n"
+              "problem = ProblemBuilder(GraphIndex(mlp_graph(), stub_strategies), (), 4,"
+              " H100_NVLINK.intra_node).build()\n"
+              "assert ilp.solve_axis(problem).exact\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, env=dict(os.environ, PYTHONPATH=root),
+                         capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout == ""

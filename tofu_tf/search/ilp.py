@@ -19,6 +19,9 @@ another method's objective (``stop_at`` ends the solve there).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 
 import numpy as np
@@ -63,7 +66,8 @@ def _solve_scipy(cost, matrix, rhs, num_x, time_limit_s, mip_rel_gap):
 
 
 def _solve_highspy(highspy, cost, matrix, rhs, num_x, time_limit_s, mip_rel_gap, stop_at, started):
-    highs = highspy.Highs()
+    with _stdout_silenced():
+        highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("time_limit", float(time_limit_s))
     highs.setOptionValue("mip_rel_gap", float(mip_rel_gap))
@@ -112,6 +116,24 @@ def _model(problem: AxisProblem, lam: float):
             vals.extend([1.0] * nu + [-1.0]), rhs.append(0.0)
     matrix = sparse.csc_array((vals, (rows, cols)), shape=(len(rhs), len(cost)))
     return np.asarray(cost, dtype=np.float64), matrix, np.asarray(rhs, dtype=np.float64), offsets, num_x
+
+
+@contextlib.contextmanager
+def _stdout_silenced():
+    """Drop what C code writes to stdout meanwhile.
+
+    The first ``highspy.Highs()`` of a process prints HiGHS' banner before any
+    option can turn output off, into the output of a user's training script
+    (tofu hands HiGHS the axis problems too wide for elimination)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _lp(highspy, cost: np.ndarray, matrix: sparse.csc_array, rhs: np.ndarray, num_x: int):
