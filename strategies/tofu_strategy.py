@@ -54,7 +54,6 @@ from tofu_tf.tf import lowering
 from tofu_tf.tf import variables as variables_lib
 
 
-_EARLY_MAX_ELEMENTS = 64
 
 
 class PlanningError(RuntimeError):
@@ -130,7 +129,6 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._plan = None
         self._lowered = None
         self._deferred: list[variables_lib.DeferredVariable] = []
-        self._early: list[variables_lib.TofuVariable] = []
         self._passthrough = False
         self._prepared: set[int] = set()
         self._models: list[weakref.ref] = []
@@ -236,8 +234,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         if self._lowered is None:
             variable = variables_lib.DeferredVariable(
                 initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
-                trainable=kwargs.get("trainable", True), extra_kwargs=kwargs,
-                on_eager_use=self._materialize_early)
+                trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
             variable._tofu_path = path  # pylint: disable=protected-access
             self._deferred.append(variable)
             return variable
@@ -260,22 +257,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
     def _materialize_deferred(self) -> None:
         with tf.init_scope():
             variables_lib.materialize_all((variable, self._layout_of(variable)) for variable in self._deferred)
-            for variable in self._early:
-                variables_lib.rehome(variable, self._layout_of(variable))
         self._deferred.clear()
-        self._early.clear()
-
-    def _materialize_early(self, variable) -> bool:
-        """Keras reads small bookkeeping variables (``steps_per_execution``,
-        counters) before the first step. Those get a replicated home on the
-        provisional mesh now and move to the planned mesh with the plan."""
-        if self._lowered is not None or variable.shape.num_elements() > _EARLY_MAX_ELEMENTS:
-            return False
-        with tf.init_scope():
-            variables_lib.materialize(variable, dtensor.Layout.replicated(self._provisional, variable.shape.rank))
-        self._deferred = [v for v in self._deferred if v is not variable]
-        self._early.append(variable)
-        return True
 
     def _layout_of(self, variable) -> dtensor.Layout:
         path = _plan_path(keras_path(variable), self._plan, variable.shape)
@@ -397,6 +379,9 @@ def _without_autotune_thread(dataset):
     """
     if dataset.options().autotune.enabled is not None:
         return dataset
+    logging.log_first_n(logging.INFO, "TofuStrategy: tf.data autotuning off for distributed datasets (an "
+                        "autotuned iterator delays the end of fit/evaluate by seconds); set "
+                        "tf.data.Options().autotune.enabled on your dataset to choose", 1)
     options = tf.data.Options()
     options.autotune.enabled = False
     return dataset.with_options(options)
