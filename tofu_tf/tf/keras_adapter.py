@@ -129,6 +129,15 @@ def trace_updates_inline(optimizer):
     return optimizer
 
 
+def draws_elementwise(initializer) -> bool:
+    """Whether a tf-keras initializer draws every element on its own (random
+    distributions, variance scaling, zeros, ones): such a draw splits into shards."""
+    import tf_keras
+    kinds = tf_keras.initializers
+    return isinstance(initializer, (kinds.VarianceScaling, kinds.RandomUniform, kinds.RandomNormal,
+                                    kinds.TruncatedNormal, kinds.Zeros, kinds.Ones))
+
+
 class DeferredZeros:
     """A zeros initial value that knows its shape without being computed.
 

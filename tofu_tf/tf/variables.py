@@ -242,9 +242,9 @@ class DeferredVariableError(RuntimeError):
 def materialize(variable: DeferredVariable, layout: dtensor.Layout, *, drawn_value=None) -> TofuVariable:
     """Give ``variable`` its buffer, sharded by ``layout``, in place.
 
-    Keras initializers take a ``layout`` argument; called inside a function,
-    DTensor propagates that layout back to their random op, so each device
-    draws only its shard and the full value never exists. (Called eagerly,
+    Keras initializers take a ``layout`` argument; an elementwise one called
+    inside a function has DTensor propagate that layout back to its random op,
+    so each device draws only its shard and the full value never exists. (Called eagerly,
     tf-keras computes the full value on one device and then slices it: a
     4096 x 4096 kernel sharded on 8 virtual CPUs peaked at 3x its full size,
     against 1x, its shards, in a function.) Other initial values (constants,
@@ -299,8 +299,14 @@ def materialize_all(variables_and_layouts) -> None:
 
 
 def _draws_shards(variable: DeferredVariable, layout: dtensor.Layout) -> bool:
-    """Whether the variable's initializer draws its shards itself, under ``layout``."""
-    return not layout.is_fully_replicated() and _takes_layout(variable._tofu_initial_value)
+    """Whether the variable's initializer draws its shards itself, under ``layout``: a
+    Keras initializer whose elements are drawn independently, so DTensor can shard its
+    random op. A matrix-wide one (Orthogonal's QR) would be computed whole on every
+    device inside a function (16x its size at the peak on 8 virtual CPUs); it is built
+    whole once on the host instead."""
+    initial_value = variable._tofu_initial_value
+    return (not layout.is_fully_replicated() and _takes_layout(initial_value)
+            and keras_adapter.draws_elementwise(initial_value.func))
 
 
 def _draw_together(drawn) -> list:
