@@ -54,8 +54,6 @@ from tofu_tf.tf import lowering
 from tofu_tf.tf import variables as variables_lib
 
 
-
-
 class PlanningError(RuntimeError):
     """The strategy could not make a plan for the model it was asked to train."""
 

@@ -161,9 +161,6 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
         self._tofu_kwargs = dict(extra_kwargs)
         self._tofu_host = None
 
-    def _used_eagerly(self):
-        raise DeferredVariableError(self.name)
-
     def _host_value(self) -> np.ndarray | None:
         """The value of a small variable, kept in host memory until the plan exists.
 
@@ -189,42 +186,36 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
         self._tofu_initial_value = self._tofu_host  # what ``materialize`` lays out
 
     def numpy(self):
-        if self._host_value() is not None:
-            return self._tofu_host.copy()
-        return self._used_eagerly().numpy()
+        if self._host_value() is None:
+            raise DeferredVariableError(self.name)
+        return self._tofu_host.copy()
 
     def _read_variable_op(self, no_copy=False):
-        if tf.executing_eagerly():
-            if self._host_value() is not None:
-                with tf.device(_HOST):
-                    return tf.constant(self._tofu_host)
-            return self._used_eagerly()._read_variable_op(no_copy=no_copy)
-        return super()._read_variable_op(no_copy=no_copy)
+        if not tf.executing_eagerly():
+            return super()._read_variable_op(no_copy=no_copy)
+        if self._host_value() is None:
+            raise DeferredVariableError(self.name)
+        with tf.device(_HOST):
+            return tf.constant(self._tofu_host)
 
-    def _update_on_host(self, combine, value, read_value):
+    def _write(self, method: str, combine, value, use_locking, name, read_value):
+        """Traced writes go into the graph; eager ones update the host value of a
+        small variable (``_host_value``) and are an error for a larger one."""
+        if not tf.executing_eagerly():
+            return getattr(super(), method)(value, use_locking, name, read_value)
+        if self._host_value() is None:
+            raise DeferredVariableError(self.name)
         self._set_host_value(combine(self._tofu_host, np.asarray(value)))
         return self if read_value else None
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
-        if tf.executing_eagerly():
-            if self._host_value() is not None:
-                return self._update_on_host(lambda old, new: new, value, read_value)
-            return self._used_eagerly().assign(value, use_locking, name, read_value)
-        return super().assign(value, use_locking, name, read_value)
+        return self._write("assign", lambda old, new: new, value, use_locking, name, read_value)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        if tf.executing_eagerly():
-            if self._host_value() is not None:
-                return self._update_on_host(np.add, delta, read_value)
-            return self._used_eagerly().assign_add(delta, use_locking, name, read_value)
-        return super().assign_add(delta, use_locking, name, read_value)
+        return self._write("assign_add", np.add, delta, use_locking, name, read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        if tf.executing_eagerly():
-            if self._host_value() is not None:
-                return self._update_on_host(np.subtract, delta, read_value)
-            return self._used_eagerly().assign_sub(delta, use_locking, name, read_value)
-        return super().assign_sub(delta, use_locking, name, read_value)
+        return self._write("assign_sub", np.subtract, delta, use_locking, name, read_value)
 
 
 # Variables this small keep an eager value on the host before the plan (``DeferredVariable._host_value``).
