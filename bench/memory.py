@@ -27,17 +27,27 @@ Each run is its own process (peak RSS is per process); the table shows the media
   other jobs share the machine;
 * ``step ms``: median step once traced (a second ``fit`` of --steps steps).
 
+The target (peak RSS and time within 10% of the hand-written plan) is judged per TofuStrategy
+method on the interleaved runs as pairs (run k of each method saw the same machine load): the
+ratio of medians with a 95% bootstrap interval over the pairs (2000 resamples, fixed seed); met
+when the interval's upper end is at most 1.10, for peak RSS and for time, time read two ways:
+``total`` (what a user waits, the anchor's measure) and ``work`` (the stricter one). One run's
+noise on this shared machine can widen the interval past the target; ``--save_runs`` keeps each
+run's figures and ``--pool_runs`` judges several runs' pairs together (``--repeats=0``: only them).
+
 A second table (``--side_by_side``, default on) trains the hand-written plan and each
 TofuStrategy method in *one* process and alternates their fits, step by step timing each:
 a steady-step ratio measured side by side, which drift in machine load cannot tilt.
 
 Run:
     python bench/memory.py [--repeats=3] [--methods=data_parallel,megatron_layoutmap,tofu]
+                           [--save_runs=FILE] [--pool_runs=FILE,...]
 """
 
 import functools
 import json
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -59,6 +69,9 @@ flags.DEFINE_integer("batch_size", 16, "Global batch size.")
 flags.DEFINE_integer("steps", 4, "Fit steps (the first includes tracing).")
 flags.DEFINE_bool("side_by_side", True, "Also time steady steps of the hand-written plan and the "
                   "TofuStrategy methods alternating in one process.")
+flags.DEFINE_string("save_runs", None, "Append every run (JSON, one per line) to this file, for --pool_runs.")
+flags.DEFINE_list("pool_runs", [], "Files an earlier --save_runs wrote: their interleaved pairs join this run's "
+                  "in the target's verdict (--repeats=0 judges them alone).")
 flags.DEFINE_integer("side_by_side_rounds", 5, "Alternating fits per model in the side-by-side table.")
 FLAGS = flags.FLAGS
 
@@ -246,15 +259,53 @@ def main(argv):
     results = {}
     for repeat in range(FLAGS.repeats):
         for method in FLAGS.methods:  # interleaved, so drift in machine load hits every method alike
-            results.setdefault(method, []).append(_measure(method))
-            print(f"  run {repeat + 1}/{FLAGS.repeats} {method}: {results[method][-1]}", file=sys.stderr)
-    columns = ("peak_rss_bytes", "build_seconds", "fit_seconds", "wait_seconds", "total_seconds", "work_seconds",
-               "total_cpu_seconds", "step_seconds")
+            run = _measure(method)
+            results.setdefault(method, []).append(run)
+            print(f"  run {repeat + 1}/{FLAGS.repeats} {method}: {run}", file=sys.stderr)
+            if FLAGS.save_runs:
+                with open(FLAGS.save_runs, "a") as file:
+                    file.write(json.dumps({"repeat": repeat, **run}) + "\n")
     for runs in results.values():
         for run in runs:
-            run["total_seconds"] = run["build_seconds"] + run["fit_seconds"]
-            run["work_seconds"] = run["total_seconds"] - run["wait_seconds"]
-    medians = {m: {c: statistics.median(r[c] for r in rs) for c in columns} for m, rs in results.items()}
+            _add_derived(run)
+    if results:
+        _print_medians(results)
+    pairs = _hand_pairs(results) + [pair for path in FLAGS.pool_runs for pair in _hand_pairs(_load_runs(path))]
+    if pairs:
+        _print_target(pairs, pooled=bool(FLAGS.pool_runs))
+    if FLAGS.side_by_side and "megatron_layoutmap" in FLAGS.methods and set(FLAGS.methods) & set(TOFU_METHODS):
+        _print_side_by_side(_measure("side_by_side"))
+
+
+COLUMNS = ("peak_rss_bytes", "build_seconds", "fit_seconds", "wait_seconds", "total_seconds", "work_seconds",
+           "total_cpu_seconds", "step_seconds")
+
+
+def _add_derived(run):
+    run["total_seconds"] = run["build_seconds"] + run["fit_seconds"]
+    run["work_seconds"] = run["total_seconds"] - run["wait_seconds"]
+
+
+def _load_runs(path) -> dict:
+    """Runs an earlier ``--save_runs`` wrote, by method, in the order they ran."""
+    results = {}
+    with open(path) as file:
+        for line in file:
+            if line.strip():
+                run = json.loads(line)
+                _add_derived(run)
+                results.setdefault(run["method"], []).append(run)
+    return results
+
+
+def _hand_pairs(results) -> list:
+    """(method, hand-written run, that method's run) for every TofuStrategy run, paired by repeat."""
+    hand = results.get("megatron_layoutmap", [])
+    return [(method, a, b) for method in results if method in TOFU_METHODS for a, b in zip(hand, results[method])]
+
+
+def _print_medians(results):
+    medians = {m: {c: statistics.median(r[c] for r in rs) for c in COLUMNS} for m, rs in results.items()}
     base = medians.get("megatron_layoutmap")
     params = FLAGS.depth * (FLAGS.width * FLAGS.width + FLAGS.width) + FLAGS.width * 10 + 10
     print(f"MLP {FLAGS.depth} x Dense({FLAGS.width}) + Dense(10), {params / 1e6:.1f}M params, Adam, batch "
@@ -277,8 +328,40 @@ def main(argv):
         print(f"{method:<22}{m['peak_rss_bytes'] / 2**30:>14.2f}{m['build_seconds']:>9.1f}{m['fit_seconds']:>8.1f}"
               f"{m['wait_seconds']:>8.1f}{m['total_seconds']:>9.1f}{m['work_seconds']:>8.1f}"
               f"{m['total_cpu_seconds']:>7.1f}{m['step_seconds'] * 1e3:>9.0f}{ratio}")
-    if FLAGS.side_by_side and "megatron_layoutmap" in FLAGS.methods and set(FLAGS.methods) & set(TOFU_METHODS):
-        _print_side_by_side(_measure("side_by_side"))
+
+
+TARGET_RATIO = 1.10
+
+
+def ratio_interval(pairs, rounds=2000, seed=0):
+    """Ratio of medians (second / first) over ``pairs`` and its 95% bootstrap interval.
+
+    Runs are interleaved, so run k of each method saw the same machine load; resampling
+    whole pairs keeps that pairing."""
+    ratio = statistics.median(b for _, b in pairs) / statistics.median(a for a, _ in pairs)
+    rng = random.Random(seed)
+    draws = sorted(statistics.median(b for _, b in sample) / statistics.median(a for a, _ in sample)
+                   for sample in ([rng.choice(pairs) for _ in pairs] for _ in range(rounds)))
+    return ratio, draws[int(0.025 * rounds)], draws[int(0.975 * rounds) - 1]
+
+
+def _print_target(pairs, pooled):
+    where = "this run's and the pooled runs' " if pooled else ""
+    print(f"\nTarget: peak RSS and time within {TARGET_RATIO - 1:.0%} of the hand-written plan: ratio of medians "
+          f"over {where}interleaved pairs, 95% bootstrap interval; met when the upper end is <= {TARGET_RATIO:.2f} "
+          "for peak RSS and for time (total: what a user waits, the anchor's measure; work: total less the "
+          "hand-written plan's tf.data teardown wait, the stricter measure)")
+    for method in dict.fromkeys(method for method, _, _ in pairs):
+        runs = [(a, b) for m, a, b in pairs if m == method]
+        intervals = {label: ratio_interval([(a[column], b[column]) for a, b in runs])
+                     for column, label in (("peak_rss_bytes", "peak RSS"), ("total_seconds", "total"),
+                                           ("work_seconds", "work"), ("total_cpu_seconds", "cpu"))}
+        verdict = {time: intervals["peak RSS"][2] <= TARGET_RATIO and intervals[time][2] <= TARGET_RATIO
+                   for time in ("total", "work")}
+        print(f"  {method} ({len(runs)} pairs): "
+              + "; ".join(f"{label} {ratio:.3f}x ({low:.3f}-{high:.3f})" for label, (ratio, low, high) in intervals.items())
+              + f" -> on total: {'MET' if verdict['total'] else 'NOT MET'}; on work: "
+              + ("MET" if verdict["work"] else "NOT MET"))
 
 
 def _print_side_by_side(steps):
