@@ -167,3 +167,34 @@ def test_planning_pauses_the_garbage_collector_and_restores_it():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_long_search_logs_each_axis_problem_at_info(monkeypatch, caplog):
+    import logging
+    from tofu_tf.search import progress
+    monkeypatch.setattr(progress, "QUIET_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        _plan(mlp_graph(), "tofu", n=4)
+    lines = [r.getMessage() for r in caplog.records if "tofu_tf planner" in r.getMessage()]
+    # meshes 4 and 2x2: axis problems (4), (2) and (2, 2), the 2x2 mesh's first axis solved once
+    assert len(lines) == 3, lines
+    assert [line.split(";")[1].strip().split(" axis")[0] for line in lines] == ["1 of 3", "2 of 3", "3 of 3"]
+    assert sum("axis 2 of 2 (size 2" in line for line in lines) == 1
+    assert all("solved to optimality" in line for line in lines)
+
+
+def test_a_quick_search_keeps_its_progress_out_of_the_info_log(caplog):
+    import logging
+    from tofu_tf.search.progress import SearchProgress
+    now = [0.0]
+    progress = SearchProgress(2, quiet_seconds=5.0, clock=lambda: now[0])
+    with caplog.at_level(logging.DEBUG, logger="absl"):
+        progress.axis_solved("a0=8", 0, 1, 8, 12, True, 0.1)
+        now[0] = 6.0
+        progress.axis_solved("a0=2 x a1=4", 1, 2, 4, 12, False, 5.9)
+        progress.axis_solved("a0=2 x a1=4", 1, 2, 4, 12, True, 0.1)
+    levels = [record.levelno for record in caplog.records if "tofu_tf planner" in record.getMessage()]
+    assert levels == [logging.DEBUG, logging.INFO, logging.INFO]
+    messages = [record.getMessage() for record in caplog.records]
+    assert "optimality not proved" in messages[1] and "2 of 2 axis problems" in messages[1]
+    assert "3 axis problems solved (searching for a plan within the memory budget)" in messages[2]

@@ -26,6 +26,7 @@ from tofu_tf.plan import CommCost, Method, Objective, Plan, format_bytes
 from tofu_tf.search import baselines, tofu_dp
 from tofu_tf.search.coarsen import GraphIndex, StrategyProvider
 from tofu_tf.search.problem import TIE_PENALTY, AxisDecision, AxisProblem, ProblemBuilder
+from tofu_tf.search.progress import SearchProgress
 from tofu_tf.search.targets import Target, as_target, pinned_variables, restrict_provider
 from tofu_tf.semantics.strategy import REPLICATED
 
@@ -108,7 +109,8 @@ def _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_
                        work={} if objective is Objective.COMM else work, liveness=liveness)
     meshes, restrict = _meshes_and_restriction(method, index, num_devices, mesh_shape)
     solver = _solver(method, max_states, time_limit_s)
-    search = _Search(index, liveness, hardware, solver, restrict, work)
+    first_pass = len({mesh.sizes[: k + 1] for mesh in meshes for k in range(len(mesh.axes))})
+    search = _Search(index, liveness, hardware, solver, restrict, work, SearchProgress(first_pass))
     if method in (Method.DATA_PARALLEL, Method.MEGATRON):
         best = min((search.solve(m, 0.0) for m in meshes), key=lambda c: c.key(objective))  # fixed patterns
     else:
@@ -185,8 +187,9 @@ class _Search:
     only the meshes whose lower bound does not already lose to a priced plan that fits."""
 
     def __init__(self, index: GraphIndex, liveness: Liveness, hardware: HardwareProfile,
-                 solver: AxisSolver, restrict, work):
+                 solver: AxisSolver, restrict, work, progress: SearchProgress):
         self.index, self.liveness, self.hardware, self.work = index, liveness, hardware, work
+        self.progress = progress
         self.pricer = StepPricer(index.graph, liveness)
         self.solver, self.restrict = solver, restrict
         self._prefixes: dict[tuple, _Solved] = {}
@@ -201,9 +204,12 @@ class _Search:
             key = (mesh.sizes[: k + 1], mesh.num_devices, lam)
             if key not in self._prefixes:
                 link = self.hardware.axis_link(mesh, k)
+                started = time.perf_counter()
                 problem = ProblemBuilder(self.index, solved.decisions, mesh.sizes[k], link, self.restrict).build()
                 solution = self.solver(problem, lam)
                 self.solves += 1
+                self.progress.axis_solved(mesh.text(), k, len(mesh.axes), mesh.sizes[k], len(problem.nodes),
+                                          solution.exact, time.perf_counter() - started)
                 seconds = problem.time(solution.choice)
                 self._prefixes[key] = _Solved(solved.decisions + (AxisDecision.of(problem, solution.choice, mesh.sizes[k]),),
                                               solved.exact and solution.exact,
