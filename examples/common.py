@@ -21,13 +21,26 @@ flags.DEFINE_bool("plan_only", False, "Print the plan and exit without training.
 flags.DEFINE_enum("compare", None, ["data_parallel"], "Also train with this method and compare side by side.")
 flags.DEFINE_enum("method", "tofu", ["tofu", "ilp", "data_parallel", "megatron"], "Planner.")
 flags.DEFINE_string("optimizer", "adam", "Keras optimizer name.")
+flags.DEFINE_integer("seed", 0, "Seed for the initial weights (the same for every method compared).")
 FLAGS = flags.FLAGS
 
 
-def run(build_model, *, loss="sparse_categorical_crossentropy"):
-    """Train ``build_model()`` under TofuStrategy (and the comparison method), print a report."""
+def run(build_model, *, loss=None):
+    """Train ``build_model()`` under TofuStrategy (and the comparison method), print a report.
+
+    The reference models end in a Dense layer without activation, so the default loss
+    reads logits. With ``--compare`` every method trains the first one's initial weights
+    on the same data, so their final losses agree (to float32 rounding): a sharded
+    initializer draws each shard itself, so the same seed gives other values under
+    another layout."""
+    if loss is None:
+        import tf_keras
+        loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     methods = [FLAGS.method] + ([FLAGS.compare] if FLAGS.compare else [])
-    rows = [_train_once(build_model, loss, method) for method in methods]
+    rows, initial = [], None
+    for method in methods:
+        row, initial = _train_once(build_model, loss, method, initial)
+        rows.append(row)
     print()
     print(f"{'method':<16}{'mesh':<28}{'state MiB/device':>18}{'modeled peak MiB':>18}{'fit s':>9}{'final loss':>12}")
     for row in rows:
@@ -35,9 +48,13 @@ def run(build_model, *, loss="sparse_categorical_crossentropy"):
               f"{row['seconds']:>9.2f}{row['loss']:>12.4f}")
 
 
-def _train_once(build_model, loss, method):
+def _train_once(build_model, loss, method, initial):
+    """One method's run and its report row; also the initial weights the next method starts from."""
+    import tf_keras
+
     from tofu_tf import TofuStrategy
 
+    tf_keras.utils.set_random_seed(FLAGS.seed)
     strategy = TofuStrategy(FLAGS.num_gpus, method=method)
     with strategy.scope():
         model = build_model()
@@ -46,13 +63,22 @@ def _train_once(build_model, loss, method):
     if FLAGS.plan_only:
         plan = strategy.plan_model(model, batch_size=FLAGS.batch_size)
         print(plan.summary())
-        return _row(method, strategy, model, 0.0, float("nan"))
+        return _row(method, strategy, model, 0.0, float("nan")), initial
     logging.info("training %s (%s parameters) for %d steps with %s", model.name,
                  f"{model.count_params():,}", FLAGS.steps, method)
     start = time.perf_counter()
+    if FLAGS.compare:
+        # Plan before fit (fit would plan at its first step) to start from the same weights.
+        strategy.plan_model(model, batch_size=FLAGS.batch_size)
+        moved = time.perf_counter()
+        if initial is None:
+            initial = model.get_weights()  # full values, assembled on the host
+        else:
+            model.set_weights(initial)
+        start += time.perf_counter() - moved  # the report times planning and training only
     history = model.fit(x, y, batch_size=FLAGS.batch_size, epochs=1, verbose=2, shuffle=False)
     seconds = time.perf_counter() - start  # the strategy logged its plan when training started
-    return _row(method, strategy, model, seconds, history.history["loss"][-1])
+    return _row(method, strategy, model, seconds, history.history["loss"][-1]), initial
 
 
 def _row(method, strategy, model, seconds, loss):

@@ -232,3 +232,28 @@ def test_distributed_dataset_autotunes_only_when_asked(user_choice):
     features, _ = next(iter(distributed))
     np.testing.assert_array_equal(variables_lib.gather_to_host(features, dtensor.fetch_layout(features)),
                                   x[:h.BATCH])
+
+
+def test_a_loss_object_compiled_by_the_user_plans_at_the_first_step():
+    """The common case: ``compile(loss=SparseCategoricalCrossentropy(from_logits=True))``
+    and then ``evaluate``/``fit``, which plan the model inside the strategy's scope.
+    tf-keras refuses to run a Loss with AUTO reduction under a strategy until compile's
+    loss container has marked it, which happens only at the first step."""
+    initial_reference = h.build("mlp")
+    x, y = h.data_for(initial_reference)
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = h.build("mlp")
+        h.compile_model(model)
+    before = model.evaluate(x, y, batch_size=h.BATCH, verbose=0)  # plans: capture runs under the scope
+    assert strategy.plan is not None
+    initial = model.get_weights()
+    reference = h.build("mlp")
+    reference.set_weights(initial)
+    h.compile_model(reference)
+    np.testing.assert_allclose(before, reference.evaluate(x, y, batch_size=h.BATCH, verbose=0), rtol=1e-5)
+    expected = reference.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    for variable, want in zip(model.weights, reference.get_weights()):
+        np.testing.assert_allclose(variable.numpy(), want, rtol=1e-5, atol=1e-6, err_msg=variable.name)

@@ -10,6 +10,7 @@ about a model and runs its forward pass.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from typing import Callable, Iterator
 
@@ -103,7 +104,19 @@ def label_spec(model, loss, batch_size: int) -> tf.TensorSpec:
 
 
 def get_loss(framework: str, loss) -> Callable:
-    return keras_module(framework).losses.get(loss)
+    """The loss capture traces: the compiled one, copied when it is a tf-keras ``Loss``.
+
+    A tf-keras ``Loss`` with the default (AUTO) reduction refuses to run under a
+    distribution strategy unless ``compile``'s loss container has marked it, which the
+    container does at the model's first step; capture runs before that, inside the
+    strategy's scope. The copy has the user's configuration and the container's mark;
+    the user's object is left as it was.
+    """
+    loss = keras_module(framework).losses.get(loss)
+    if hasattr(loss, "_allow_sum_over_batch_size"):
+        loss = copy.copy(loss)
+        loss._allow_sum_over_batch_size = True  # pylint: disable=protected-access
+    return loss
 
 
 def fresh_optimizer(framework: str, optimizer):
