@@ -183,7 +183,11 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                      planned - captured, time.perf_counter() - planned)
 
     def _prepare(self, model) -> None:
-        keras_adapter.defer_slot_zeros(getattr(model, "optimizer", None))
+        optimizer = getattr(model, "optimizer", None)
+        if keras_adapter.adopt_optimizer(optimizer, self._container_strategy()):
+            logging.info("TofuStrategy: optimizer %s was created outside strategy.scope(); it now updates "
+                         "through the strategy as if created inside", getattr(optimizer, "name", optimizer))
+        keras_adapter.defer_slot_zeros(optimizer)
         if id(model) in self._prepared:
             self._hint_layouts(model)
             return

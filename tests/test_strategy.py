@@ -257,3 +257,24 @@ def test_a_loss_object_compiled_by_the_user_plans_at_the_first_step():
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
     for variable, want in zip(model.weights, reference.get_weights()):
         np.testing.assert_allclose(variable.numpy(), want, rtol=1e-5, atol=1e-6, err_msg=variable.name)
+
+
+def test_an_optimizer_created_before_the_scope_trains_as_one_created_inside():
+    """``opt = Adam(...)`` before ``strategy.scope()``, compiled inside it: tf-keras
+    recorded the default strategy in the optimizer, whose merge_call path fails under
+    TofuStrategy's global step. Adam's bias correction reads the step counter, so the
+    weights only match one device if the counter advanced once per step."""
+    optimizer = keras.optimizers.Adam(0.01)
+    initial, expected, expected_loss, (x, y) = h.reference_run("mlp", keras.optimizers.Adam(0.01))
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = h.build("mlp")
+        h.compile_model(model, optimizer)
+    strategy.plan_model(model, batch_size=h.BATCH)
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    for variable, want in zip(model.weights, expected):
+        np.testing.assert_allclose(variable.numpy(), want, rtol=1e-4, atol=1e-6, err_msg=variable.name)
+    assert int(optimizer.iterations.numpy()) == h.STEPS
+    assert optimizer.variables[0] is optimizer.iterations

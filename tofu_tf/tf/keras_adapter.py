@@ -216,6 +216,50 @@ def defer_slot_zeros(optimizer) -> None:
     optimizer._tofu_defers_zeros = True  # pylint: disable=protected-access
 
 
+def adopt_optimizer(optimizer, strategy) -> bool:
+    """Make a tf-keras optimizer built before ``strategy.scope()`` act as one built inside it.
+
+    A tf-keras optimizer records the strategy current when it is constructed, and makes
+    its step counter and learning-rate variables then. One made before the scope
+    (``opt = Adam(1e-3)`` at the top of a script, then ``model.compile(optimizer=opt)``
+    inside it: fine under MirroredStrategy) would send its updates through the default
+    strategy's ``merge_call``, which nests strategy scopes inside TofuStrategy's global
+    DTensor step and fails, and its counter would be a plain variable, outside the
+    strategy's care (its in-step increment was lost: Adam's bias correction drifted).
+    So the optimizer records ``strategy`` and takes the DTensor path, as it would have
+    inside the scope, and its counter and learning rate are made again under the
+    scope with their current values. True when it changed the optimizer.
+    """
+    if optimizer is None or not type(optimizer).__module__.startswith("tf_keras"):
+        return False
+    if not hasattr(optimizer, "_run_with_dtensor") or optimizer._distribution_strategy is strategy:
+        return False
+    optimizer._distribution_strategy = strategy  # pylint: disable=protected-access
+    optimizer._run_with_dtensor = True  # pylint: disable=protected-access
+    with strategy.scope():
+        _remake(optimizer, "_iterations", optimizer._create_iteration_variable)  # pylint: disable=protected-access
+        learning_rate = optimizer._learning_rate  # pylint: disable=protected-access
+        if isinstance(learning_rate, tf.Variable):
+            _remake(optimizer, "_learning_rate",
+                    lambda: setattr(optimizer, "_learning_rate",
+                                    optimizer._build_learning_rate(float(learning_rate.numpy()))))
+        elif hasattr(optimizer, "_current_learning_rate"):  # a LearningRateSchedule
+            _remake(optimizer, "_current_learning_rate", lambda: optimizer._build_learning_rate(learning_rate))
+    return True
+
+
+def _remake(optimizer, attribute: str, make) -> None:
+    """Make ``optimizer.<attribute>`` (a variable) again, with its value, where the old one was
+    in the optimizer's variable list (checkpoints and ``get_weights`` keep their order)."""
+    old = getattr(optimizer, attribute)
+    value = old.numpy()
+    make()
+    new = getattr(optimizer, attribute)
+    new.assign(value)
+    variables = [v for v in optimizer._variables if v is not new]  # pylint: disable=protected-access
+    optimizer._variables = [new if v is old else v for v in variables]  # pylint: disable=protected-access
+
+
 def _slot_reference_and_name(args, kwargs):
     # tf-keras calls add_variable_from_reference as (model_variable,
     # variable_name), Keras 3 as (reference_variable, name); positionally or by keyword.
