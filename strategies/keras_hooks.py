@@ -10,6 +10,7 @@ changes this touches only this file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import types
 
@@ -121,10 +122,14 @@ def prepare_for_dtensor(model) -> list[Transformation]:
     * LSTM / GRU: Keras runs the recurrence as a ``While`` loop over a
       TensorList, which DTensor cannot expand; with a static sequence length
       the loop is unrolled (``unroll=True``), the same cell applied per step.
+    * Dropout (and SpatialDropout): tf-keras draws its mask with a stateful
+      random op, which DTensor refuses; ``step_seeded_dropout`` draws it
+      statelessly, seeded by the optimizer's step count (a compiled model's).
     Sparse (Embedding) gradients are densified in the variables instead
     (``tofu_tf.tf.variables.TofuVariable.scatter_add``).
     """
     changes = []
+    step = getattr(getattr(model, "optimizer", None), "iterations", None)
     for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
         kind = type(layer).__name__
         if getattr(layer, "fused", False) is True and "BatchNormalization" in kind:
@@ -141,7 +146,52 @@ def prepare_for_dtensor(model) -> list[Transformation]:
             _unroll(layer)
             changes.append(Transformation(layer.name, "unroll=True",
                                           "DTensor cannot expand the TensorList ops of a While loop"))
+        generator = getattr(layer, "_random_generator", None)
+        if "Dropout" in kind and hasattr(generator, "dropout") and step is not None \
+                and type(generator).__name__ != "StepSeededDropout":
+            layer._random_generator = step_seeded_dropout(generator, step)  # pylint: disable=protected-access
+            changes.append(Transformation(layer.name, "stateless dropout seeded per step",
+                                          "DTensor refuses stateful random ops (RandomUniform)"))
     return changes
+
+
+def step_seeded_dropout(generator, step):
+    """A replacement for a tf-keras Dropout's random generator: ``StepSeededDropout``."""
+    return _step_seeded_dropout_class()(generator, step)
+
+
+@functools.lru_cache(maxsize=None)
+def _step_seeded_dropout_class():
+    from tf_keras.src import backend  # the generator tf-keras layers hold; imported when a model has one
+
+    class StepSeededDropout(backend.RandomGenerator):
+        """A tf-keras Dropout's mask, drawn by a stateless op seeded per training step.
+
+        tf-keras draws the mask with a stateful op (``RandomUniform``), which DTensor
+        refuses. This draws it with ``stateless_dropout`` from (the layer's seed, the
+        optimizer's step count, the call's place in the traced step): a new mask every
+        step and for every call of a shared layer, from an op DTensor lays out like any
+        other. Under a sharded layout DTensor folds each device's coordinates into the
+        seed, so the masks are not one device's masks; they are independent draws at
+        the layer's rate all the same. It keeps the replaced generator's type, so the
+        layer's config (and a model saved from it) is unchanged.
+        """
+
+        def __init__(self, replaced, step):
+            super().__init__(replaced._create_seed(replaced._seed), rng_type=replaced._rng_type)  # pylint: disable=protected-access
+            self._read_step = lambda: step  # a closure: the step is not a tracked child of the layer
+            self.calls = 0
+
+        def _maybe_init(self):
+            self._built = True  # no generator state: the seed is all this needs
+
+        def dropout(self, inputs, rate, noise_shape=None):
+            self.calls += 1
+            seed = tf.stack([tf.constant(self._seed, tf.int64), tf.cast(self._read_step(), tf.int64)])
+            seed = tf.random.experimental.stateless_fold_in(seed, self.calls)
+            return tf.nn.experimental.stateless_dropout(inputs, rate, seed=seed, noise_shape=noise_shape)
+
+    return StepSeededDropout
 
 
 def _unfuse_batch_norm(layer) -> None:

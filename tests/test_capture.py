@@ -346,3 +346,11 @@ def test_updates_traced_inside_functions_of_their_own_are_not_stamped(monkeypatc
     graph = tofu_tf.capture_training_step(model, **kwargs)
     assert not _stamped_ops(graph)
     _assert_same_step(tofu_tf.capture_training_step(model, trace_each_update=True, **kwargs), graph)
+
+
+def test_per_output_losses_are_refused_with_what_to_do_instead():
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(8)(inputs)
+    model = keras.Model(inputs, [keras.layers.Dense(4, name="a")(hidden), keras.layers.Dense(1, name="b")(hidden)])
+    with pytest.raises(ValueError, match="one loss per output.*Compile it with a single loss"):
+        tofu_tf.capture_training_step(model, batch_size=4, loss={"a": "mse", "b": "mse"}, optimizer="sgd")

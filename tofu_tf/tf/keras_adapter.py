@@ -112,6 +112,11 @@ def get_loss(framework: str, loss) -> Callable:
     strategy's scope. The copy has the user's configuration and the container's mark;
     the user's object is left as it was.
     """
+    if isinstance(loss, (dict, list, tuple)):
+        raise ValueError(
+            f"tofu_tf plans a training step with one loss, and this model was compiled with one loss "
+            f"per output ({loss!r}). Compile it with a single loss (Keras applies it to every output "
+            "and sums), or write one loss function that combines the outputs' losses.")
     loss = keras_module(framework).losses.get(loss)
     if hasattr(loss, "_allow_sum_over_batch_size"):
         loss = copy.copy(loss)
