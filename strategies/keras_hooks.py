@@ -14,6 +14,7 @@ import functools
 import inspect
 import types
 
+import numpy as np
 import tensorflow as tf
 
 _MAX_DEPTH = 4
@@ -125,6 +126,8 @@ def prepare_for_dtensor(model) -> list[Transformation]:
     * Dropout (and SpatialDropout): tf-keras draws its mask with a stateful
       random op, which DTensor refuses; ``step_seeded_dropout`` draws it
       statelessly, seeded by the optimizer's step count (a compiled model's).
+    * ``predict`` with a last partial batch: padded, the copies' outputs dropped
+      (``pad_partial_predict``).
     Sparse (Embedding) gradients are densified in the variables instead
     (``tofu_tf.tf.variables.TofuVariable.scatter_add``).
     """
@@ -152,7 +155,47 @@ def prepare_for_dtensor(model) -> list[Transformation]:
             layer._random_generator = step_seeded_dropout(generator, step)  # pylint: disable=protected-access
             changes.append(Transformation(layer.name, "stateless dropout seeded per step",
                                           "DTensor refuses stateful random ops (RandomUniform)"))
+    if pad_partial_predict(model):
+        changes.append(Transformation(model.name, "predict pads a last partial batch and drops its outputs",
+                                      "DTensor needs every batch the size the layouts divide"))
     return changes
+
+
+def pad_partial_predict(model) -> bool:
+    """Let ``model.predict`` take any number of samples (numpy inputs).
+
+    Every batch must have the same size under DTensor (the plan's layouts divide it),
+    so a last partial batch is refused. In inference each sample's output depends only
+    on that sample, so padding the last batch with copies of the last sample and
+    dropping their outputs returns exactly the outputs of the real samples. (Not for
+    evaluate: its means would count the copies.) True when it wrapped ``predict``.
+    """
+    if getattr(model, "_tofu_pads_predict", False):
+        return False
+    original = model.predict
+
+    def predict(x, batch_size=None, *args, **kwargs):
+        count, size = _sample_count(x), batch_size or _KERAS_PREDICT_BATCH
+        if count is None or kwargs.get("steps") is not None or count % size == 0:
+            return original(x, batch_size, *args, **kwargs)
+        copies = size - count % size
+        padded = tf.nest.map_structure(lambda a: np.concatenate([a, np.repeat(a[-1:], copies, axis=0)]), x)
+        return tf.nest.map_structure(lambda out: out[:count], original(padded, size, *args, **kwargs))
+
+    model.predict = predict
+    model._tofu_pads_predict = True  # pylint: disable=protected-access
+    return True
+
+
+_KERAS_PREDICT_BATCH = 32  # what predict uses when batch_size is not given (both Keras versions)
+
+
+def _sample_count(x) -> int | None:
+    """Samples in numpy inputs (an array, or a list/tuple/dict of arrays); None otherwise."""
+    arrays = tf.nest.flatten(x)
+    if not arrays or not all(isinstance(a, np.ndarray) and a.ndim > 0 for a in arrays):
+        return None
+    return len(arrays[0])
 
 
 def step_seeded_dropout(generator, step):

@@ -283,7 +283,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         if batch_size < 0:
             raise PlanningError(
                 "TofuStrategy needs a static batch size: batch the dataset with drop_remainder=True, "
-                "or pass numpy arrays whose length is a multiple of batch_size.")
+                "or pass numpy arrays whose length is a multiple of batch_size. (Once the strategy has "
+                "planned the model, predict pads a last partial batch of numpy inputs itself.)")
         model = keras_hooks.find_model_in_stack()
         if model is not None:
             self._prepare(model)

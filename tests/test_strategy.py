@@ -323,3 +323,19 @@ def test_a_model_with_dropout_trains():
     reference.set_weights(model.get_weights())
     np.testing.assert_allclose(model.predict(x, batch_size=h.BATCH, verbose=0),
                                reference.predict(x, batch_size=h.BATCH, verbose=0), rtol=1e-4, atol=1e-5)
+
+
+def test_predict_takes_any_number_of_samples():
+    """13 samples at batch 8: the last batch is padded and the copies' outputs dropped,
+    so the outputs are one device's for exactly those 13."""
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = h.build("mlp")
+        h.compile_model(model)
+    x, y = h.data_for(model)
+    model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0)
+    reference = h.build("mlp")
+    reference.set_weights(model.get_weights())
+    got = model.predict(x[:13], batch_size=h.BATCH, verbose=0)
+    assert got.shape[0] == 13
+    np.testing.assert_allclose(got, reference.predict(x[:13], batch_size=h.BATCH, verbose=0), rtol=1e-5, atol=1e-6)
