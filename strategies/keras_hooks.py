@@ -123,9 +123,10 @@ def prepare_for_dtensor(model) -> list[Transformation]:
     * LSTM / GRU: Keras runs the recurrence as a ``While`` loop over a
       TensorList, which DTensor cannot expand; with a static sequence length
       the loop is unrolled (``unroll=True``), the same cell applied per step.
-    * Dropout (and SpatialDropout): tf-keras draws its mask with a stateful
-      random op, which DTensor refuses; ``step_seeded_dropout`` draws it
-      statelessly, seeded by the optimizer's step count (a compiled model's).
+    * Dropout (and SpatialDropout, and the dropout of LSTM/GRU/SimpleRNN
+      cells): tf-keras draws masks with a stateful random op, which DTensor
+      refuses; ``step_seeded_dropout`` draws them statelessly, seeded by the
+      optimizer's step count (a compiled model's).
     * ``predict`` with a last partial batch: padded, the copies' outputs dropped
       (``pad_partial_predict``).
     Sparse (Embedding) gradients are densified in the variables instead
@@ -150,7 +151,8 @@ def prepare_for_dtensor(model) -> list[Transformation]:
             changes.append(Transformation(layer.name, "unroll=True",
                                           "DTensor cannot expand the TensorList ops of a While loop"))
         generator = getattr(layer, "_random_generator", None)
-        if "Dropout" in kind and hasattr(generator, "dropout") and step is not None \
+        draws_masks = "Dropout" in kind or hasattr(layer, "recurrent_dropout")  # Dropout layers, RNN cells
+        if draws_masks and hasattr(generator, "dropout") and step is not None \
                 and type(generator).__name__ != "StepSeededDropout":
             layer._random_generator = step_seeded_dropout(generator, step)  # pylint: disable=protected-access
             changes.append(Transformation(layer.name, "stateless dropout seeded per step",

@@ -339,3 +339,26 @@ def test_predict_takes_any_number_of_samples():
     got = model.predict(x[:13], batch_size=h.BATCH, verbose=0)
     assert got.shape[0] == 13
     np.testing.assert_allclose(got, reference.predict(x[:13], batch_size=h.BATCH, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_an_lstm_with_dropout_trains():
+    """An LSTM cell's input and recurrent dropout masks come from the same stateful
+    draw as Dropout's; they are swapped for stateless ones too."""
+    def build():
+        return keras.Sequential([keras.Input((6, 8)), keras.layers.LSTM(16, dropout=0.3, recurrent_dropout=0.3),
+                                 keras.layers.Dense(4)])
+
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = build()
+        h.compile_model(model)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 6, 8)).astype("float32"), rng.integers(0, 4, 32).astype("int32")
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=2, shuffle=False, verbose=0).history["loss"]
+    assert np.all(np.isfinite(loss))
+    cells = [layer for layer in model._flatten_layers() if type(layer).__name__ == "LSTMCell"]
+    assert cells and type(cells[0]._random_generator).__name__ == "StepSeededDropout"
+    reference = build()
+    reference.set_weights(model.get_weights())
+    np.testing.assert_allclose(model.predict(x, batch_size=h.BATCH, verbose=0),
+                               reference.predict(x, batch_size=h.BATCH, verbose=0), rtol=1e-4, atol=1e-5)
