@@ -368,6 +368,32 @@ def relayout_dense_inputs(model, layout_of_kernel, batch_axis, mesh) -> list[str
     return hinted
 
 
+_CONVOLUTIONS = frozenset({"Conv1D", "Conv2D", "Conv3D", "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D",
+                           "SeparableConv2D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose"})
+
+
+def relayout_conv_inputs(model, batch_axis, mesh) -> list[str]:
+    """Give each convolution its input batch-split or replicated, as plans run it.
+
+    DTensor's convolution expander refuses an input whose channels are split
+    ("Conv input's channel dimension must be replicated") instead of gathering
+    them; the lowering target keeps convolutions batch-split or replicated
+    (``tofu_tf.search.targets``), so when the tensor arriving is split otherwise
+    (a Conv1D after a feature-split Embedding), the plan priced this gather.
+    """
+    from tensorflow.experimental import dtensor
+
+    hinted = []
+    for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
+        if type(layer).__name__ not in _CONVOLUTIONS or getattr(layer, "_tofu_hinted", False):
+            continue
+        layer.call = types.MethodType(
+            _relayout_first_argument(layer.call, dtensor.UNSHARDED, batch_axis, mesh, dtensor), layer)
+        layer._tofu_hinted = True  # pylint: disable=protected-access
+        hinted.append(layer.name)
+    return hinted
+
+
 def _relayout_first_argument(call, row_axis, batch_axis, mesh, dtensor):
     def hinted_call(self, inputs, *args, **kwargs):
         del self

@@ -198,7 +198,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._hint_layouts(model)
 
     def _hint_layouts(self, model) -> None:
-        """Once the plan exists: explicit input relayouts at sharded Dense layers."""
+        """Once the plan exists: explicit input relayouts at sharded Dense layers and at convolutions."""
         if self._lowered is None:
             return
 
@@ -210,6 +210,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             return layout.sharding_specs[0]
 
         hinted = keras_hooks.relayout_dense_inputs(model, row_axis, self._lowered.batch_axis, self.mesh)
+        hinted += keras_hooks.relayout_conv_inputs(model, self._lowered.batch_axis, self.mesh)
         if hinted:
             logging.info("TofuStrategy: relayout hints at the inputs of %s", ", ".join(hinted))
 

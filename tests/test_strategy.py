@@ -362,3 +362,31 @@ def test_an_lstm_with_dropout_trains():
     reference.set_weights(model.get_weights())
     np.testing.assert_allclose(model.predict(x, batch_size=h.BATCH, verbose=0),
                                reference.predict(x, batch_size=h.BATCH, verbose=0), rtol=1e-4, atol=1e-5)
+
+
+def test_a_convolution_after_a_feature_split_layer_matches_one_device():
+    """A Conv1D after an Embedding: the planner may split the embedding's features,
+    and DTensor refuses a convolution input whose channels are split; the strategy
+    relays the input to the batch-split or replicated layout the plan priced."""
+    def build():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([keras.Input((12,), dtype="int32"), keras.layers.Embedding(64, 32),
+                                 keras.layers.Conv1D(16, 3, activation="relu"), keras.layers.GlobalAveragePooling1D(),
+                                 keras.layers.Dense(4)])
+
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 64, (24, 12)).astype("int32"), rng.integers(0, 4, 24).astype("int32")
+    reference = build()
+    initial = reference.get_weights()
+    h.compile_model(reference)
+    expected_loss = reference.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = build()
+        h.compile_model(model)
+    strategy.plan_model(model, batch_size=h.BATCH)
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    for variable, want in zip(model.weights, reference.get_weights()):
+        np.testing.assert_allclose(variable.numpy(), want, rtol=1e-4, atol=1e-6, err_msg=variable.name)
