@@ -340,29 +340,31 @@ class _StepwiseIterator:
             raise StopIteration from error
 
 
-def relayout_dense_inputs(model, layout_of_kernel, batch_axis, mesh) -> list[str]:
-    """Give each sharded Dense layer its input in the layout its kernel needs.
+def relayout_layer_inputs(model, layout_of_kernel, batch_axis, mesh) -> list[str]:
+    """Give each sharded Dense layer and each convolution its input in the layout the plan priced.
 
-    DTensor propagates activation layouts op by op from whatever reaches it;
-    when two plans meet at a layer boundary (the previous layer's output split
-    on one mesh axis, this kernel's rows on another) its MatMul expander refuses
-    the mismatched contraction instead of converting. Relaying the input to
-    (batch on the plan's batch axis, features on the kernel's row axis) is the
-    conversion the plan priced, made explicit.
+    DTensor propagates activation layouts op by op from whatever reaches it, and
+    some expanders refuse a mismatch instead of converting. A Dense layer whose
+    kernel rows are split on one mesh axis, fed an output split on another: the
+    MatMul expander refuses the contraction; its input goes to (batch on the
+    plan's batch axis, features on the kernel's row axis). A convolution fed an
+    input with split channels (a Conv1D after a feature-split Embedding): the
+    convolution expander refuses it; the lowering target runs convolutions
+    batch-split or replicated (``tofu_tf.search.targets``), so its input goes to
+    (batch on the batch axis, nothing else split). Either way the conversion is
+    the one the plan priced, made explicit.
     """
     from tensorflow.experimental import dtensor
 
     hinted = []
     for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
-        if type(layer).__name__ != "Dense" or getattr(layer, "_tofu_hinted", False):
+        if getattr(layer, "_tofu_hinted", False):
             continue
-        kernel = getattr(layer, "kernel", None)
-        if kernel is None:
+        feature_axis = _input_feature_axis(layer, layout_of_kernel, dtensor)
+        if feature_axis is None:
             continue
-        row_axis = layout_of_kernel(kernel)
-        if row_axis is None:
-            continue
-        layer.call = types.MethodType(_relayout_first_argument(layer.call, row_axis, batch_axis, mesh, dtensor), layer)
+        layer.call = types.MethodType(
+            _relayout_first_argument(layer.call, feature_axis, batch_axis, mesh, dtensor), layer)
         layer._tofu_hinted = True  # pylint: disable=protected-access
         hinted.append(layer.name)
     return hinted
@@ -372,26 +374,13 @@ _CONVOLUTIONS = frozenset({"Conv1D", "Conv2D", "Conv3D", "DepthwiseConv1D", "Dep
                            "SeparableConv2D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose"})
 
 
-def relayout_conv_inputs(model, batch_axis, mesh) -> list[str]:
-    """Give each convolution its input batch-split or replicated, as plans run it.
-
-    DTensor's convolution expander refuses an input whose channels are split
-    ("Conv input's channel dimension must be replicated") instead of gathering
-    them; the lowering target keeps convolutions batch-split or replicated
-    (``tofu_tf.search.targets``), so when the tensor arriving is split otherwise
-    (a Conv1D after a feature-split Embedding), the plan priced this gather.
-    """
-    from tensorflow.experimental import dtensor
-
-    hinted = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
-        if type(layer).__name__ not in _CONVOLUTIONS or getattr(layer, "_tofu_hinted", False):
-            continue
-        layer.call = types.MethodType(
-            _relayout_first_argument(layer.call, dtensor.UNSHARDED, batch_axis, mesh, dtensor), layer)
-        layer._tofu_hinted = True  # pylint: disable=protected-access
-        hinted.append(layer.name)
-    return hinted
+def _input_feature_axis(layer, layout_of_kernel, dtensor):
+    """The mesh axis (or UNSHARDED) the layer's input features must be on; None: no hint."""
+    kind = type(layer).__name__
+    if kind in _CONVOLUTIONS:
+        return dtensor.UNSHARDED
+    kernel = getattr(layer, "kernel", None) if kind == "Dense" else None
+    return layout_of_kernel(kernel) if kernel is not None else None
 
 
 def _relayout_first_argument(call, row_axis, batch_axis, mesh, dtensor):

@@ -209,8 +209,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 return None
             return layout.sharding_specs[0]
 
-        hinted = keras_hooks.relayout_dense_inputs(model, row_axis, self._lowered.batch_axis, self.mesh)
-        hinted += keras_hooks.relayout_conv_inputs(model, self._lowered.batch_axis, self.mesh)
+        hinted = keras_hooks.relayout_layer_inputs(model, row_axis, self._lowered.batch_axis, self.mesh)
         if hinted:
             logging.info("TofuStrategy: relayout hints at the inputs of %s", ", ".join(hinted))
 
