@@ -254,7 +254,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         return None
 
     def variable_created_in_scope(self, v):
-        return isinstance(v, (variables_lib.TofuVariable, variables_lib.DeferredVariable))
+        ours = (variables_lib.TofuVariable, variables_lib.DeferredVariable)
+        if not isinstance(v, ours):        # tf-keras mixed precision wraps float weights in an AutoCastVariable
+            v = getattr(v, "_variable", v)
+        return isinstance(v, ours)
 
     def _materialize_deferred(self) -> None:
         with tf.init_scope():

@@ -68,3 +68,16 @@ def reference_run(name: str, optimizer=None):
     x, y = data_for(model)
     history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     return initial, model.get_weights(), history.history["loss"], (x, y)
+
+
+def assert_same_update(got, want, initial, name, *, within=0.1):
+    """Half-precision steps agree with one device's up to rounding: the two updates
+    differ by at most ``within`` of the update's norm. Rounding alone moves a step that
+    much: on the tests' MLP one device's bfloat16 update differs from its float32 update
+    by 1-7% of its norm, and a sharded reduction rounds differently again (elementwise
+    tolerances do not fit: a unit whose pre-activation rounds across 0 flips its ReLU and
+    its whole gradient column). A wrong step (an update lost, a gradient scaled) is off by
+    the update's size."""
+    update = np.linalg.norm(want - initial)
+    assert update > 0, f"{name}: one device did not change it"
+    assert np.linalg.norm(got - want) <= within * update, (name, np.linalg.norm(got - want), update)

@@ -99,6 +99,40 @@ def test_evaluate_and_predict_match(trained):
                                ref.predict(x, batch_size=h.BATCH, verbose=0), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_keras3_mixed_precision_trains_sharded_as_one_device(policy):
+    """Keras 3 wraps the optimizer in a LossScaleOptimizer under "mixed_float16";
+    its update inside an ops.cond kept every weight replicated until capture traced
+    the update the cond guards. Weights and their momentum shard; the step matches
+    one device's within half precision."""
+    def build_wide():
+        keras.utils.set_random_seed(11)
+        return models.mlp(input_dim=32, width=256, depth=2, keras=keras)
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        ref = build_wide()
+        initial = ref.get_weights()
+        compile_model(ref)
+        x, y = h.data_for(ref)
+        expected_loss = ref.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+        strategy = TofuStrategy(8)
+        with strategy.scope():
+            model = build_wide()
+            compile_model(model)
+        strategy.plan_model(model, batch_size=h.BATCH)
+        model.set_weights(initial)
+        loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    momentum = [v for v in optimizer.variables if "momentum" in v.path]
+    assert momentum and any("model" in v.value.layout.sharding_specs for v in momentum)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-2)
+    for variable, want, start in zip(model.weights, ref.weights, initial):
+        h.assert_same_update(np.asarray(variable.numpy()), want.numpy(), start, variable.path)
+
+
 def test_callbacks_and_weight_files(tmp_path):
     strategy = TofuStrategy(8, plan=h.HandPlan({"batch": 2, "model": 4}, HAND_LAYOUTS["mlp"], {"x": ("batch",)}))
     with strategy.scope():

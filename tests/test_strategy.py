@@ -325,6 +325,74 @@ def test_a_model_with_dropout_trains():
                                reference.predict(x, batch_size=h.BATCH, verbose=0), rtol=1e-4, atol=1e-5)
 
 
+@pytest.fixture(params=["mixed_bfloat16", "mixed_float16"])
+def mixed_policy(request):
+    keras.mixed_precision.set_global_policy(request.param)
+    yield request.param
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_precision_trains_sharded_as_one_device(mixed_policy):
+    """Under a mixed policy tf-keras wraps each float weight in an AutoCastVariable
+    (compile refused them as made outside the scope) and, for float16, the optimizer in
+    a LossScaleOptimizer, whose update runs inside a tf.cond the planner cannot see
+    into (every weight stayed replicated). Capture traces the update the cond guards,
+    so weights shard, and the step matches one device's within half precision."""
+    def build():  # wide enough that the plan splits weights
+        keras.utils.set_random_seed(7)
+        return models.mlp(input_dim=32, width=256, depth=2)
+
+    reference = build()
+    initial = reference.get_weights()
+    h.compile_model(reference)
+    x, y = h.data_for(reference)
+    expected_loss = reference.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    expected = reference.get_weights()
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = build()
+        h.compile_model(model)
+    assert model.layers[0].compute_dtype == mixed_policy.split("_")[1]
+    strategy.plan_model(model, batch_size=h.BATCH)
+    assert any(axis for layout in strategy.plan.variable_layouts.values() for axis in layout)
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-2)
+    for variable, want, start in zip(model.weights, expected, initial):
+        assert variable.dtype == tf.float32
+        h.assert_same_update(variable.numpy(), want, start, variable.name)
+
+
+def test_mixed_float16_skips_overflowing_steps_as_one_device():
+    """Inputs scaled so every step's scaled gradients overflow float16: the
+    LossScaleOptimizer skips each step and halves its scale, sharded as on one device."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        def build():
+            keras.utils.set_random_seed(7)
+            model = models.mlp(input_dim=32, width=256, depth=2)
+            model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            return model
+
+        x, y = h.data_for(models.mlp(input_dim=32, width=256, depth=2))
+        x = x * 300
+        reference = build()
+        initial = reference.get_weights()
+        reference.fit(x, y, batch_size=h.BATCH, shuffle=False, verbose=0)
+        strategy = TofuStrategy(8)
+        with strategy.scope():
+            model = build()
+        strategy.plan_model(model, batch_size=h.BATCH)
+        model.set_weights(initial)
+        model.fit(x, y, batch_size=h.BATCH, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert float(reference.optimizer.loss_scale) == 2.0 ** 15 / 2 ** h.STEPS
+    assert float(model.optimizer.loss_scale) == float(reference.optimizer.loss_scale)
+    for got, want in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_predict_takes_any_number_of_samples():
     """13 samples at batch 8: the last batch is padded and the copies' outputs dropped,
     so the outputs are one device's for exactly those 13."""

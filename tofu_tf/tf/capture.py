@@ -116,7 +116,7 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, *, stamp_updat
     trainable = keras_adapter.trainable_variables(model)
     gradient_box: dict[str, str] = {}
 
-    def step_with(opt):
+    def step_with(opt, scaling):
         def train_step(x, y):
             with tf.variable_creator_scope(_uninitialized_creator):
                 with tf.GradientTape() as tape:
@@ -125,7 +125,10 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, *, stamp_updat
                     extra = keras_adapter.regularization_losses(model)
                     if extra:
                         step_loss = step_loss + tf.add_n(extra)
-                grads = tape.gradient(step_loss, trainable)
+                    scaled_loss = step_loss if scaling is None else scaling.scale_loss(step_loss)
+                grads = tape.gradient(scaled_loss, trainable)
+                if scaling is not None:
+                    grads = scaling.unscale_gradients(grads)
                 grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
                 for var, grad in zip(trainable, grads):
                     if grad is not None:
@@ -138,9 +141,11 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, *, stamp_updat
     # loops on a tensor in Python. Each attempt gets its own fresh optimizer.
     for autograph in (False, True):
         gradient_box.clear()
-        opt = keras_adapter.trace_updates_inline(keras_adapter.fresh_optimizer(framework, optimizer))
-        concrete, slots, stamps = _trace_once(step_with(opt), opt, framework, x_specs, y_spec, autograph=autograph,
-                                              weights=trainable, stamp_updates=stamp_updates)
+        opt = keras_adapter.fresh_optimizer(framework, optimizer)
+        scaling = keras_adapter.loss_scaling(framework, opt)
+        opt = keras_adapter.trace_updates_inline(opt if scaling is None else scaling.inner)
+        concrete, slots, stamps = _trace_once(step_with(opt, scaling), opt, framework, x_specs, y_spec,
+                                              autograph=autograph, weights=trainable, stamp_updates=stamp_updates)
         if concrete is not None:
             break
 

@@ -134,6 +134,40 @@ def fresh_optimizer(framework: str, optimizer):
     return optimizer.__class__.from_config(optimizer.get_config())
 
 
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+    """What a loss-scale optimizer does around the optimizer it wraps, for capture."""
+
+    inner: object                                  # the wrapped optimizer, whose update capture traces
+    scale_loss: Callable                           # loss -> scaled loss
+    unscale_gradients: Callable                    # gradients of the scaled loss -> true gradients
+
+
+def loss_scaling(framework: str, optimizer) -> LossScaling | None:
+    """How ``optimizer`` scales the loss, when it is a ``LossScaleOptimizer``; else None.
+
+    ``compile`` wraps the optimizer in one under the "mixed_float16" policy (tf-keras
+    and Keras 3). Its update runs the wrapped optimizer's inside a ``cond`` on the
+    gradients being finite, which the IR keeps as one opaque op: every weight, slot
+    and gradient an input of it, and the planner replicates them all. Capture traces
+    what that branch runs (loss scaled, gradients unscaled, the wrapped optimizer's
+    update), so the plan sees each weight's update; the step Keras runs still skips
+    non-finite steps.
+    """
+    if framework == "tf_keras":
+        import tf_keras
+        if isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer):
+            return LossScaling(optimizer.inner_optimizer, optimizer.get_scaled_loss,
+                               optimizer.get_unscaled_gradients)
+        return None
+    import keras
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        scale = optimizer.initial_scale            # what an unbuilt wrapper scales by
+        return LossScaling(optimizer.inner_optimizer, optimizer.scale_loss,
+                           lambda grads: [None if g is None else g / scale for g in grads])
+    return None
+
+
 def trace_updates_inline(optimizer):
     """Trace ``optimizer``'s per-weight updates in the step's own graph.
 
