@@ -189,6 +189,51 @@ def pad_partial_predict(model) -> bool:
     return True
 
 
+def update_moving_averages(optimizer) -> bool:
+    """Make a tf-keras optimizer with ``use_ema=True`` keep its moving averages under DTensor.
+
+    tf-keras applies gradients on its DTensor path (the one a strategy's optimizer
+    takes) through the base class, which never updates the averages; ``fit`` still
+    ends by overwriting every weight with its average, so the whole run was lost:
+    the model returned to its initial weights (measured). After the base update this
+    runs what tf-keras' distributed path runs after it: each average moves toward its
+    weight, and every ``ema_overwrite_frequency`` steps the weights take the averages.
+    True when it changed the optimizer.
+    """
+    if (not getattr(optimizer, "use_ema", False) or not type(optimizer).__module__.startswith("tf_keras")
+            or getattr(optimizer, "_tofu_updates_averages", False)):
+        return False
+    apply = optimizer._internal_apply_gradients  # pylint: disable=protected-access
+
+    def apply_then_average(grads_and_vars):
+        if not optimizer._run_with_dtensor:                # pylint: disable=protected-access
+            return apply(grads_and_vars)                   # the distributed path averages itself
+        grads_and_vars = list(grads_and_vars)
+        step = optimizer.iterations + 1                    # read before this step's increment, as tf-keras does
+        iteration = apply(grads_and_vars)
+        weights = [variable for _, variable in grads_and_vars]
+        optimizer._update_model_variables_moving_average(weights)  # pylint: disable=protected-access
+        if optimizer.ema_overwrite_frequency:
+            # The averages are read here, not inside the cond's branch: a read in the
+            # branch's graph does not see this step's write (DTensor orders it first).
+            averages = [tf.identity(_moving_average(optimizer, weight)) for weight in weights]
+
+            def overwrite():
+                for weight, average in zip(weights, averages):
+                    weight.assign(average)
+            tf.cond(tf.equal(step % optimizer.ema_overwrite_frequency, 0), overwrite, lambda: None)
+        return iteration
+
+    optimizer._internal_apply_gradients = apply_then_average  # pylint: disable=protected-access
+    optimizer._tofu_updates_averages = True  # pylint: disable=protected-access
+    return True
+
+
+def _moving_average(optimizer, weight):
+    # pylint: disable=protected-access
+    return optimizer._model_variables_moving_average[optimizer._index_dict[optimizer._var_key(weight)]]
+
+
 _KERAS_PREDICT_BATCH = 32  # what predict uses when batch_size is not given (both Keras versions)
 
 

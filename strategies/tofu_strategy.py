@@ -188,6 +188,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             logging.info("TofuStrategy: optimizer %s was created outside strategy.scope(); it now updates "
                          "through the strategy as if created inside", getattr(optimizer, "name", optimizer))
         keras_adapter.defer_slot_zeros(optimizer)
+        if keras_hooks.update_moving_averages(optimizer):
+            logging.info("TofuStrategy: optimizer %s: use_ema moving averages updated after each step (tf-keras' "
+                         "DTensor path skips them)", optimizer.name)
         if id(model) in self._prepared:
             self._hint_layouts(model)
             return

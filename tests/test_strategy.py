@@ -393,6 +393,47 @@ def test_mixed_float16_skips_overflowing_steps_as_one_device():
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("overwrite_every", [None, 2])
+def test_use_ema_moving_averages_match_one_device(overwrite_every):
+    """tf-keras' DTensor path never updated use_ema's averages, and fit ends by writing
+    the averages into the weights: the run was lost (weights back to their initial
+    values). Averages, the periodic overwrite and the final weights now match one device."""
+    def optimizer():
+        return keras.optimizers.SGD(0.05, momentum=0.9, use_ema=True, ema_momentum=0.5,
+                                    ema_overwrite_frequency=overwrite_every)
+
+    initial, expected, expected_loss, (x, y) = h.reference_run("mlp", optimizer())
+    strategy = TofuStrategy(8, plan=hand_plan("mlp"))
+    with strategy.scope():
+        model = h.build("mlp")
+        h.compile_model(model, optimizer())
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    assert max(float(np.max(np.abs(w - i))) for w, i in zip(expected, initial)) > 1e-3
+    for variable, want in zip(model.weights, expected):
+        np.testing.assert_allclose(variable.numpy(), want, rtol=1e-5, atol=1e-6, err_msg=variable.name)
+
+
+def test_adafactor_trains_as_one_device():
+    """Adafactor keeps placeholder state as ``tf.Variable(0)`` (a Python int), which
+    capture's shape-only variables could not take."""
+    def optimizer():
+        return keras.optimizers.Adafactor(0.05)
+
+    initial, expected, expected_loss, (x, y) = h.reference_run("mlp", optimizer())
+    strategy = TofuStrategy(8)     # planned: the step is captured
+    with strategy.scope():
+        model = h.build("mlp")
+        h.compile_model(model, optimizer())
+    strategy.plan_model(model, batch_size=h.BATCH)
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    for variable, want in zip(model.weights, expected):
+        np.testing.assert_allclose(variable.numpy(), want, rtol=1e-4, atol=1e-6, err_msg=variable.name)
+
+
 def test_predict_takes_any_number_of_samples():
     """13 samples at batch 8: the last batch is padded and the copies' outputs dropped,
     so the outputs are one device's for exactly those 13."""

@@ -98,6 +98,8 @@ def _uninitialized_creator(next_creator, **kwargs):
     initial_value = kwargs.get("initial_value")
     shape = kwargs.get("shape")
     dtype = kwargs.get("dtype")
+    if not callable(initial_value) and not hasattr(initial_value, "dtype"):
+        initial_value = tf.convert_to_tensor(initial_value)  # a Python number: Adafactor's tf.Variable(0)
     if shape is None:
         shape = getattr(initial_value, "shape", None)
     if shape is None and callable(initial_value):

@@ -253,6 +253,8 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout, *, drawn_val
             return sharded_zeros(shape, dtype, layout)
         if _draws_shards(variable, layout):
             return _draw_together([(variable, layout)])[0]
+        if _on_mesh(initial_value):       # a copy of a sharded variable: EMA's average starts as its weight
+            return dtensor.relayout(tf.identity(initial_value), layout)
         if not layout.is_fully_replicated() and shape.num_elements() > _WHOLE_VALUE_LOG_ELEMENTS:
             logging.info("building %s whole on the host before sharding it (its initializer takes no layout)",
                          variable.name)
@@ -263,6 +265,13 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout, *, drawn_val
     fresh = TofuVariable(sharded_initial_value, dtype=dtype, name=_base_name(variable.name),
                          trainable=variable.trainable, layout=layout)
     return _become(variable, fresh)
+
+
+def _on_mesh(value) -> bool:
+    """Whether ``value`` already lives on the mesh (a sharded variable or DTensor), so a
+    variable starting from it is relaid device to device; reading it to the host
+    would fail (a sharded DTensor has no single-device copy) and gather it whole."""
+    return isinstance(value, d_variable.DVariable) or (tf.is_tensor(value) and dtensor.is_dtensor(value))
 
 
 def materialize_all(variables_and_layouts) -> None:
