@@ -57,7 +57,8 @@ def find_model_in_stack(max_frames: int = 12):
 
 
 def _is_model(obj) -> bool:
-    return hasattr(obj, "train_step") and hasattr(obj, "trainable_variables") and hasattr(obj, "inputs")
+    # Not ``inputs``: a subclassed Keras 3 model has no such attribute.
+    return hasattr(obj, "train_step") and hasattr(obj, "trainable_variables") and callable(getattr(obj, "fit", None))
 
 
 def _search(obj, depth, seen):
@@ -227,6 +228,37 @@ def update_moving_averages(optimizer) -> bool:
     optimizer._internal_apply_gradients = apply_then_average  # pylint: disable=protected-access
     optimizer._tofu_updates_averages = True  # pylint: disable=protected-access
     return True
+
+
+def summarize_unplanned_weights() -> None:
+    """Let tf-keras ``model.summary()`` run before the plan exists.
+
+    Under a strategy with a mesh, tf-keras ends the summary with the weights' per-device
+    sizes by sharding spec, and divides by their sum: with every weight still waiting
+    for its layout (no DTensor variable yet) that sum is 0 and ``summary()`` raised
+    ZeroDivisionError, the first thing many scripts call after ``compile``. Then
+    the summary says when the layouts are chosen instead; once they are, tf-keras'
+    own lines. Installed once per process; other models' summaries are unchanged.
+    """
+    try:
+        from tf_keras.src.utils import layer_utils
+    except ImportError:
+        return
+    original = layer_utils.print_dtensor_variable_summary
+    if getattr(original, "_tofu_wrapped", False):
+        return
+
+    def print_dtensor_variable_summary(model, print_fn, line_length):
+        unplanned = not any(isinstance(w, tf.experimental.dtensor.DVariable) for w in model.weights)
+        if not (unplanned and type(getattr(model, "distribute_strategy", None)).__name__ == "TofuStrategy"):
+            return original(model, print_fn, line_length)
+        print_fn("Layouts: none yet; TofuStrategy plans them at the first fit/evaluate/predict "
+                 "(or strategy.plan_model)")
+        print_fn("_" * line_length)
+        return None
+
+    print_dtensor_variable_summary._tofu_wrapped = True
+    layer_utils.print_dtensor_variable_summary = print_dtensor_variable_summary
 
 
 def _moving_average(optimizer, weight):

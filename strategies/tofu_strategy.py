@@ -136,6 +136,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         super().__init__(container_strategy, self._provisional)
         # tf-keras keeps a fixed `keras.Input(batch_size=...)` global when this is set.
         self._global_batch_size = True
+        keras_hooks.summarize_unplanned_weights()
         if plan is not None:
             self._adopt(plan)
 
@@ -157,9 +158,13 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             if model is not None:
                 self._hint_layouts(model)
 
-    def plan_for(self, model, *, batch_size, loss, optimizer, labels) -> None:
+    def plan_for(self, model, *, batch_size, loss, optimizer, labels, features=None) -> None:
         if self._plan is not None:
             return
+        if features is not None:
+            with self._container_strategy().scope():
+                if keras_adapter.build_from_features(model, features):
+                    logging.info("TofuStrategy: built %s from its first batch to plan it", model.name)
         from tofu_tf.search import plan_graph
         from tofu_tf.tf.capture import capture_training_step
 
@@ -171,7 +176,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         start = time.perf_counter()
         with self._creating_plain_variables():
             graph = capture_training_step(model, batch_size=batch_size, loss=loss, optimizer=optimizer,
-                                          labels=labels)
+                                          labels=labels, features=features)
             captured = time.perf_counter()
             plan = plan_graph(graph, num_devices=self._devices.count, method=self._options.method,
                               memory_budget_bytes=self._options.memory_budget_bytes,
@@ -321,7 +326,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         labels = None
         if isinstance(spec, tuple) and len(spec) > 1 and isinstance(spec[1], tf.TensorSpec):
             labels = tf.TensorSpec([batch_size] + spec[1].shape[1:].as_list(), spec[1].dtype)
-        self.plan_for(model, batch_size=batch_size, loss=None, optimizer=None, labels=labels)
+        features = spec[0] if isinstance(spec, tuple) else spec
+        self.plan_for(model, batch_size=batch_size, loss=None, optimizer=None, labels=labels,
+                      features=tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape, s.dtype), features))
 
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -350,7 +357,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         if step.labels is not None and tf.is_tensor(step.labels):
             labels = tf.TensorSpec(step.labels.shape, step.labels.dtype)
         self.plan_for(model, batch_size=int(step.features[0].shape[0]), loss=None, optimizer=None,
-                      labels=labels)
+                      labels=labels, features=[tf.TensorSpec(f.shape, f.dtype) for f in step.features])
 
     def _to_batch_layout(self, value):
         """Inputs of a step, on the planned mesh in the plan's batch layout.

@@ -81,3 +81,35 @@ def assert_same_update(got, want, initial, name, *, within=0.1):
     update = np.linalg.norm(want - initial)
     assert update > 0, f"{name}: one device did not change it"
     assert np.linalg.norm(got - want) <= within * update, (name, np.linalg.norm(got - want), update)
+
+
+def subclassed_mlp(keras_module):
+    """A subclassed MLP (no symbolic inputs; weights made at its first call), wide
+    enough that the plan splits weights."""
+    class SubclassedMLP(keras_module.Model):
+        def __init__(self):
+            super().__init__(name="subclassed_mlp")
+            self.hidden = [keras_module.layers.Dense(256, activation="relu", name=f"dense_{i}") for i in range(2)]
+            self.head = keras_module.layers.Dense(10, name="head")
+
+        def call(self, x):
+            for layer in self.hidden:
+                x = layer(x)
+            return self.head(x)
+
+    keras_module.utils.set_random_seed(7)
+    return SubclassedMLP()
+
+
+class InitialWeights:
+    """A callback keeping the weights a fit starts from (once the strategy made them)."""
+
+    def __init__(self, keras_module):
+        outer = self
+        self.weights = None
+
+        class Keep(keras_module.callbacks.Callback):
+            def on_train_begin(self, logs=None):
+                outer.weights = self.model.get_weights()
+
+        self.callback = Keep()

@@ -133,6 +133,29 @@ def test_keras3_mixed_precision_trains_sharded_as_one_device(policy):
         h.assert_same_update(np.asarray(variable.numpy()), want.numpy(), start, variable.path)
 
 
+def test_keras3_subclassed_model_trains_as_one_device():
+    """A subclassed Keras 3 model has no ``inputs`` attribute and makes its weights at
+    its first call: the strategy finds it, builds it from the first batch's specs and
+    plans it."""
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = h.subclassed_mlp(keras)
+        compile_model(model)
+    x, y = h.data_for(models.mlp(input_dim=32))
+    start = h.InitialWeights(keras)
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0,
+                     callbacks=[start.callback]).history["loss"]
+    assert any(axis for layout in strategy.plan.variable_layouts.values() for axis in layout)
+    reference = h.subclassed_mlp(keras)
+    reference(x[:1])
+    reference.set_weights(start.weights)
+    compile_model(reference)
+    expected = reference.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_callbacks_and_weight_files(tmp_path):
     strategy = TofuStrategy(8, plan=h.HandPlan({"batch": 2, "model": 4}, HAND_LAYOUTS["mlp"], {"x": ("batch",)}))
     with strategy.scope():

@@ -434,6 +434,52 @@ def test_adafactor_trains_as_one_device():
         np.testing.assert_allclose(variable.numpy(), want, rtol=1e-4, atol=1e-6, err_msg=variable.name)
 
 
+@pytest.mark.parametrize("built", [False, True])
+def test_a_subclassed_model_trains_as_one_device(built):
+    """A subclassed model names no inputs: the strategy plans it from the first batch's
+    specs (building it, as its first call would) or from the shape it was built with."""
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = h.subclassed_mlp(keras)
+        if built:
+            model.build((None, 32))
+        h.compile_model(model)
+    x, y = h.data_for(models.mlp(input_dim=32))
+    if built:
+        strategy.plan_model(model, batch_size=h.BATCH)
+    start = h.InitialWeights(keras)
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0,
+                     callbacks=[start.callback]).history["loss"]
+    assert any(axis for layout in strategy.plan.variable_layouts.values() for axis in layout)
+    reference = h.subclassed_mlp(keras)
+    reference.build((None, 32))
+    reference.set_weights(start.weights)
+    h.compile_model(reference)
+    expected = reference.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_summary_before_and_after_the_plan():
+    """tf-keras' summary divided by the weights' per-device size, 0 before the plan
+    (ZeroDivisionError); it now says when layouts come, then reports the sharding."""
+    strategy = TofuStrategy(8, plan=hand_plan("mlp"))
+    lines = []
+    with strategy.scope():
+        model = h.build("mlp")
+        h.compile_model(model)
+    unplanned = TofuStrategy(8)
+    with unplanned.scope():
+        waiting = h.build("mlp")
+        h.compile_model(waiting)
+        waiting.summary(print_fn=lines.append)
+    assert any("TofuStrategy plans them at the first fit" in line for line in lines)
+    lines.clear()
+    model.summary(print_fn=lines.append)
+    assert any("are sharded based on spec" in line for line in lines)
+
+
 def test_predict_takes_any_number_of_samples():
     """13 samples at batch 8: the last batch is padded and the copies' outputs dropped,
     so the outputs are one device's for exactly those 13."""

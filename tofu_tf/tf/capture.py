@@ -69,19 +69,20 @@ class _TraceResult:
 
 
 def capture_training_step(model, *, batch_size: int, loss, optimizer, labels: tf.TensorSpec | None = None,
-                          trace_each_update: bool = False) -> ir.Graph:
+                          features=None, trace_each_update: bool = False) -> ir.Graph:
     """Trace ``model``'s training step for ``batch_size`` and return its IR.
 
     ``loss`` and ``optimizer`` take what ``model.compile`` takes (names or
-    objects). ``labels`` overrides the inferred label spec. The model must be
-    built; the user's optimizer is left untouched. ``trace_each_update`` traces
+    objects). ``labels`` overrides the inferred label spec; ``features`` (specs of a
+    batch's inputs) give a subclassed model's inputs. The model must be built; the user's optimizer is left untouched. ``trace_each_update`` traces
     the optimizer's update for every weight instead of once per weight shape
     (slower; the IR is the same up to op names).
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     framework = keras_adapter.framework_of(model)
-    traced = _trace(model, framework, batch_size, loss, optimizer, labels, stamp_updates=not trace_each_update)
+    traced = _trace(model, framework, batch_size, loss, optimizer, labels, features,
+                    stamp_updates=not trace_each_update)
     layers = keras_adapter.layer_names(model)
     graph = _Translator(traced, layers).translate()
     graph = dataclasses.replace(graph, batch_size=batch_size, framework=framework)
@@ -111,10 +112,10 @@ def _uninitialized_creator(next_creator, **kwargs):
         shape=shape, dtype=dtype, name=kwargs.get("name"), trainable=kwargs.get("trainable", False))
 
 
-def _trace(model, framework, batch_size, loss, optimizer, labels, *, stamp_updates=True) -> _TraceResult:
+def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, stamp_updates=True) -> _TraceResult:
     loss_fn = keras_adapter.get_loss(framework, loss)
-    x_specs = keras_adapter.input_specs(model, batch_size)
-    y_spec = labels if labels is not None else keras_adapter.label_spec(model, loss, batch_size)
+    x_specs = keras_adapter.input_specs(model, batch_size, features)
+    y_spec = labels if labels is not None else keras_adapter.label_spec(model, loss, batch_size, x_specs)
     trainable = keras_adapter.trainable_variables(model)
     gradient_box: dict[str, str] = {}
 

@@ -75,32 +75,86 @@ def tf_variable(variable) -> tf.Variable:
     raise UnsupportedModelError(f"variable {variable_path(variable)!r} is not backed by a tf.Variable")
 
 
-def input_specs(model, batch_size: int) -> list[tf.TensorSpec]:
-    """One TensorSpec per model input, with the batch dim set to ``batch_size``."""
-    if not model.built or not getattr(model, "inputs", None):
+def input_specs(model, batch_size: int, features=None) -> list[tf.TensorSpec]:
+    """One TensorSpec per model input, with the batch dim set to ``batch_size``.
+
+    A functional or Sequential model names its inputs. A subclassed one does not:
+    its inputs are ``features`` (the specs of a batch, which ``fit`` and the other
+    loops hand the strategy), else the shape it was built with (``model.build``),
+    taken as float32.
+    """
+    if not model.built:
         raise UnsupportedModelError(
-            f"model {model.name!r} has no known inputs: build it first, e.g. start it with "
-            "keras.Input(shape=...) or call model.build((batch, ...)).")
+            f"model {model.name!r} is not built: build it first, e.g. start it with keras.Input(shape=...), "
+            "call model.build((None, ...)) or call it on one batch.")
+    inputs = getattr(model, "inputs", None)
+    if inputs:
+        shapes = [(getattr(t, "name", "?"), list(t.shape), tf.as_dtype(t.dtype)) for t in inputs]
+    elif features is not None:
+        shapes = [("features", list(f.shape), tf.as_dtype(f.dtype)) for f in tf.nest.flatten(features)]
+    else:
+        shapes = [("build shape", list(shape), tf.float32) for shape in _build_shapes(model)]
     specs = []
-    for tensor in model.inputs:
-        shape = list(tensor.shape)
-        if shape and shape[0] is not None and shape[0] != batch_size:
+    for name, shape, dtype in shapes:
+        if shape and shape[0] is not None and shape[0] != batch_size and inputs:
             raise ValueError(
-                f"model input {getattr(tensor, 'name', '?')!r} fixes the batch size to {shape[0]}, "
+                f"model input {name!r} fixes the batch size to {shape[0]}, "
                 f"but batch_size={batch_size} was asked for: pass batch_size={shape[0]} or "
                 "rebuild the model's Input without batch_size.")
-        specs.append(tf.TensorSpec([batch_size] + shape[1:], tf.as_dtype(tensor.dtype)))
+        specs.append(tf.TensorSpec([batch_size] + shape[1:], dtype))
     return specs
 
 
-def label_spec(model, loss, batch_size: int) -> tf.TensorSpec:
+def build_from_features(model, features) -> bool:
+    """Build a model that is not built yet (a subclassed one) by tracing it on
+    ``features`` (the specs of one batch), as its first call in ``fit`` would.
+
+    The strategy plans before Keras' loop calls the model: tf-keras and Keras 3 lay
+    the dataset out on the mesh first, and a subclassed model only creates its
+    weights at its first call. The trace creates them (through the strategy's
+    scope: no values yet) without computing anything. True when it built the model.
+    """
+    if model.built and model.trainable_variables:     # a Keras 3 subclass's build() leaves its layers unbuilt
+        return False
+    specs = [tf.TensorSpec(f.shape, f.dtype) for f in tf.nest.flatten(features)]
+    forward = tf.function(lambda *x: model(x if len(x) > 1 else x[0], training=False), autograph=False)
+    forward.get_concrete_function(*specs)
+    return True
+
+
+def _build_shapes(model) -> list:
+    """The input shapes a subclassed model was built with (tf-keras and Keras 3 keep them apart)."""
+    shape = getattr(model, "_build_input_shape", None)                    # tf-keras
+    if shape is None:
+        shape = (getattr(model, "_build_shapes_dict", None) or {}).get("input_shape")  # Keras 3
+    if shape is None:
+        raise UnsupportedModelError(
+            f"model {model.name!r} has no known inputs: start it with keras.Input(shape=...), call "
+            "model.build((None, ...)), or let fit plan it from its first batch.")
+    if isinstance(shape, dict):
+        shape = list(shape.values())
+    if isinstance(shape, (list, tuple)) and shape and isinstance(shape[0], (list, tuple, tf.TensorShape)):
+        return [tf.TensorShape(s).as_list() for s in shape]
+    return [tf.TensorShape(shape).as_list()]
+
+
+def label_spec(model, loss, batch_size: int, x_specs) -> tf.TensorSpec:
     """The labels the loss expects: integer class ids for sparse losses, else
     a tensor shaped like the model output."""
-    out_shape = list(model.outputs[0].shape)
+    out_shape = _output_shape(model, x_specs)
     loss_name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", "")
     if "sparse" in str(loss_name).lower():
         return tf.TensorSpec([batch_size] + out_shape[1:-1], tf.int32)
     return tf.TensorSpec([batch_size] + out_shape[1:], tf.float32)
+
+
+def _output_shape(model, x_specs) -> list:
+    """The first output's shape: named by a functional model, traced for a subclassed one."""
+    outputs = getattr(model, "outputs", None)
+    if outputs:
+        return list(outputs[0].shape)
+    forward = tf.function(lambda *x: model(x if len(x) > 1 else x[0], training=False), autograph=False)
+    return tf.nest.flatten(forward.get_concrete_function(*x_specs).structured_outputs)[0].shape.as_list()
 
 
 def get_loss(framework: str, loss) -> Callable:
