@@ -56,6 +56,47 @@ def find_model_in_stack(max_frames: int = 12):
     return None
 
 
+def validation_batches_problem(num_devices: int, max_frames: int = 16) -> str | None:
+    """What is wrong with a running ``fit``'s validation data, or None.
+
+    TofuStrategy evaluates whole batches only (every batch the size the layouts
+    divide; padding would bias the means), so validation data whose length is not a
+    multiple of its batch size fails at the end of the first epoch, after that epoch's
+    training. The strategy asks this when ``fit`` lays out its training data, so it
+    fails before training instead. Only numpy validation data is sized here (Keras
+    has applied ``validation_split`` by then).
+    """
+    frame = inspect.currentframe()
+    try:
+        for _ in range(max_frames):
+            frame = frame.f_back
+            if frame is None:
+                return None
+            local = frame.f_locals
+            if frame.f_code.co_name == "fit" and "validation_data" in local and _is_model(local.get("self")):
+                return _validation_problem(local, num_devices)
+    finally:
+        del frame
+    return None
+
+
+def _validation_problem(fit_locals, num_devices: int) -> str | None:
+    data = fit_locals.get("validation_data")
+    if not isinstance(data, (tuple, list)) or not data:
+        return None
+    count = _sample_count(data[0])
+    size = fit_locals.get("validation_batch_size") or fit_locals.get("batch_size") or _KERAS_PREDICT_BATCH
+    if count is None or count % size == 0:
+        return None
+    # a batch size that divides the data and splits over any batch axis of the mesh
+    fitting = [d for d in range(num_devices, 4 * size + 1, num_devices) if count % d == 0]
+    instead = (f"pass validation_batch_size={min(fitting, key=lambda d: abs(d - size))} (it divides {count}) or "
+               if fitting else "")
+    return (f"the validation data has {count} samples, not a multiple of the validation batch size {size}; "
+            "TofuStrategy evaluates whole batches only, so validation would fail after the first epoch's "
+            f"training. Instead {instead}use {count - count % size} validation samples.")
+
+
 def _is_model(obj) -> bool:
     # Not ``inputs``: a subclassed Keras 3 model has no such attribute.
     return hasattr(obj, "train_step") and hasattr(obj, "trainable_variables") and callable(getattr(obj, "fit", None))

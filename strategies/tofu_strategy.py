@@ -296,6 +296,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 "TofuStrategy needs a static batch size: batch the dataset with drop_remainder=True, "
                 "or pass numpy arrays whose length is a multiple of batch_size. (Once the strategy has "
                 "planned the model, predict pads a last partial batch of numpy inputs itself.)")
+        problem = keras_hooks.validation_batches_problem(self._devices.count)
+        if problem:
+            raise PlanningError(problem)
         model = keras_hooks.find_model_in_stack()
         if model is not None:
             self._prepare(model)

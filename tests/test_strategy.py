@@ -480,6 +480,27 @@ def test_summary_before_and_after_the_plan():
     assert any("are sharded based on spec" in line for line in lines)
 
 
+def test_validation_data_that_would_fail_after_an_epoch_fails_before_training():
+    """40 validation samples at batch 16: the last validation batch would be partial,
+    refused at the end of the first epoch. fit now refuses before its first step and
+    names a validation batch size that works, which then trains and validates."""
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = h.build("mlp")
+        h.compile_model(model)
+    x, y = h.data_for(model, steps=4)
+    x_val, y_val = h.data_for(model, steps=5, seed=3)
+    with pytest.raises(Exception, match="validation_batch_size=8 .* or use 32 validation samples"):
+        model.fit(x, y, batch_size=16, validation_data=(x_val, y_val), verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    history = model.fit(x, y, batch_size=16, validation_data=(x_val, y_val), validation_batch_size=8, verbose=0)
+    reference = h.build("mlp")
+    reference.set_weights(model.get_weights())
+    h.compile_model(reference)
+    np.testing.assert_allclose(history.history["val_loss"][-1],
+                               reference.evaluate(x_val, y_val, batch_size=8, verbose=0), rtol=1e-5)
+
+
 def test_predict_takes_any_number_of_samples():
     """13 samples at batch 8: the last batch is padded and the copies' outputs dropped,
     so the outputs are one device's for exactly those 13."""
