@@ -176,7 +176,9 @@ def prepare_for_dtensor(model) -> list[Transformation]:
     """
     changes = []
     step = getattr(getattr(model, "optimizer", None), "iterations", None)
-    for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
+    layers = list(model._flatten_layers(include_self=False, recursive=True))  # pylint: disable=protected-access
+    wrapped_steps = _wrapped_timesteps(layers)
+    for layer in layers:
         kind = type(layer).__name__
         if getattr(layer, "fused", False) is True and "BatchNormalization" in kind:
             _unfuse_batch_norm(layer)
@@ -189,7 +191,7 @@ def prepare_for_dtensor(model) -> list[Transformation]:
             changes.append(Transformation(layer.name, "pooling as reshape+mean",
                                           "DTensor cannot expand AvgPoolGrad"))
         if hasattr(layer, "unroll") and hasattr(layer, "cell") and not layer.unroll:
-            _unroll(layer)
+            _unroll(layer, wrapped_steps[id(layer)] if id(layer) in wrapped_steps else _timesteps(layer))
             changes.append(Transformation(layer.name, "unroll=True",
                                           "DTensor cannot expand the TensorList ops of a While loop"))
         generator = getattr(layer, "_random_generator", None)
@@ -395,16 +397,7 @@ def _mean_pool_2d(layer, inputs):
     return tf.reduce_mean(x, axis=[2, 4])
 
 
-def _unroll(layer) -> None:
-    timesteps = None
-    try:
-        inputs = layer.input  # the symbolic input of a functional model's layer
-        timesteps = inputs.shape[1]
-    except (AttributeError, ValueError):
-        spec = layer.input_spec
-        spec = spec[0] if isinstance(spec, (list, tuple)) else spec
-        if spec is not None and getattr(spec, "shape", None):
-            timesteps = spec.shape[1]
+def _unroll(layer, timesteps) -> None:
     if timesteps is None:
         raise ValueError(
             f"recurrent layer {layer.name!r} has no static sequence length, so TofuStrategy cannot "
@@ -412,6 +405,27 @@ def _unroll(layer) -> None:
     layer.unroll = True
     if hasattr(layer, "_could_use_gpu_kernel"):
         layer._could_use_gpu_kernel = False  # pylint: disable=protected-access
+
+
+def _timesteps(layer) -> int | None:
+    """A sequence layer's static number of steps (dim 1 of its input), or None."""
+    try:
+        return layer.input.shape[1]  # the symbolic input of a functional model's layer
+    except (AttributeError, ValueError):
+        spec = layer.input_spec
+        spec = spec[0] if isinstance(spec, (list, tuple)) else spec
+        return spec.shape[1] if spec is not None and getattr(spec, "shape", None) else None
+
+
+def _wrapped_timesteps(layers) -> dict[int, int | None]:
+    """Steps of the recurrent layers a wrapper runs (Bidirectional's forward and backward
+    layers), by id: called inside the wrapper, they have no symbolic input of their own."""
+    steps = {}
+    for layer in layers:
+        inner = [getattr(layer, name, None) for name in ("forward_layer", "backward_layer")]
+        for wrapped in (w for w in inner if w is not None):
+            steps[id(wrapped)] = _timesteps(layer)
+    return steps
 
 
 def is_keras3(model) -> bool:

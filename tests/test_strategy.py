@@ -501,6 +501,32 @@ def test_validation_data_that_would_fail_after_an_epoch_fails_before_training():
                                reference.evaluate(x_val, y_val, batch_size=8, verbose=0), rtol=1e-5)
 
 
+def test_a_bidirectional_lstm_trains_as_one_device():
+    """Bidirectional runs its forward and backward LSTMs inside its own call, so they
+    have no symbolic input to read a sequence length from: they are unrolled with the
+    wrapper's (was: refused as having no static sequence length)."""
+    def build():
+        keras.utils.set_random_seed(7)
+        return keras.Sequential([keras.Input((5, 16)), keras.layers.Bidirectional(keras.layers.LSTM(16)),
+                                 keras.layers.Dense(10)])
+
+    reference = build()
+    initial = reference.get_weights()
+    h.compile_model(reference)
+    x, y = h.data_for(reference)
+    expected = reference.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = build()
+        h.compile_model(model)
+    strategy.plan_model(model, batch_size=h.BATCH)
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_predict_takes_any_number_of_samples():
     """13 samples at batch 8: the last batch is padded and the copies' outputs dropped,
     so the outputs are one device's for exactly those 13."""
