@@ -61,10 +61,21 @@ def captured():
         "cnn": capture_training_step(models.cnn(image_size=8, channels=8), batch_size=8, **kwargs),
         "rnn": capture_training_step(models.rnn(num_layers=2, hidden=16, seq_len=4, input_dim=8, unroll=True),
                                      batch_size=8, **kwargs),
+        "conv1d": capture_training_step(_text_cnn(), batch_size=8, **kwargs),
     }
 
 
-@pytest.mark.parametrize("key,kinds", [("cnn", ("conv_", "bn_")), ("rnn", ("lstm",))])
+def _text_cnn():
+    """Embedding -> Conv1D -> pooling -> Dense: the Conv1D adds its bias to 3-D tensors."""
+    import tf_keras as keras
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((16,), dtype="int32"), keras.layers.Embedding(512, 128),
+                             keras.layers.Conv1D(128, 3, padding="same", activation="relu", name="conv1d"),
+                             keras.layers.GlobalMaxPooling1D(), keras.layers.Dense(256, activation="relu"),
+                             keras.layers.Dense(10)])
+
+
+@pytest.mark.parametrize("key,kinds", [("cnn", ("conv_", "bn_")), ("rnn", ("lstm",)), ("conv1d", ("conv1d/",))])
 def test_dtensor_plans_keep_conv_bn_and_lstm_weights_replicated(captured, key, kinds):
     graph = captured[key]
     plan = plan_graph(graph, num_devices=8, target="dtensor", hardware="cpu-virtual")
@@ -78,4 +89,6 @@ def test_dtensor_plans_keep_conv_bn_and_lstm_weights_replicated(captured, key, k
     for name, layout in plan.tensor_layouts.items():
         tensor = graph.tensors[name]
         if key == "cnn" and tensor.rank == 4:
+            assert all(a is None for a in layout[1:]), (name, layout)
+        if key == "conv1d" and tensor.producer and (graph.op(tensor.producer).layer or "").startswith("conv1d"):
             assert all(a is None for a in layout[1:]), (name, layout)

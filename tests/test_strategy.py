@@ -566,18 +566,28 @@ def test_an_lstm_with_dropout_trains():
                                reference.predict(x, batch_size=h.BATCH, verbose=0), rtol=1e-4, atol=1e-5)
 
 
-def test_a_convolution_after_a_feature_split_layer_matches_one_device():
+SMALL_TEXT_CNN = dict(vocab=64, width=32, filters=16, padding="valid", pooling="GlobalAveragePooling1D", hidden=())
+LARGE_TEXT_CNN = dict(vocab=512, width=128, filters=128, padding="same", pooling="GlobalMaxPooling1D", hidden=(256,))
+
+
+@pytest.mark.parametrize("spec", [SMALL_TEXT_CNN, LARGE_TEXT_CNN], ids=["small", "large"])
+def test_a_convolution_after_a_feature_split_layer_matches_one_device(spec):
     """A Conv1D after an Embedding: the planner may split the embedding's features,
     and DTensor refuses a convolution input whose channels are split; the strategy
-    relays the input to the batch-split or replicated layout the plan priced."""
+    relays the input to the batch-split or replicated layout the plan priced. At the
+    larger size the plan also split the Conv1D's bias, added to 3-D tensors after the
+    convolution, which DTensor propagated back into it (the target now keeps a
+    convolution layer's ops batch-split or replicated)."""
     def build():
         keras.utils.set_random_seed(3)
-        return keras.Sequential([keras.Input((12,), dtype="int32"), keras.layers.Embedding(64, 32),
-                                 keras.layers.Conv1D(16, 3, activation="relu"), keras.layers.GlobalAveragePooling1D(),
-                                 keras.layers.Dense(4)])
+        return keras.Sequential([
+            keras.Input((12,), dtype="int32"), keras.layers.Embedding(spec["vocab"], spec["width"]),
+            keras.layers.Conv1D(spec["filters"], 3, padding=spec["padding"], activation="relu"),
+            getattr(keras.layers, spec["pooling"])(),
+            *[keras.layers.Dense(n, activation="relu") for n in spec["hidden"]], keras.layers.Dense(4)])
 
     rng = np.random.default_rng(0)
-    x, y = rng.integers(0, 64, (24, 12)).astype("int32"), rng.integers(0, 4, 24).astype("int32")
+    x, y = rng.integers(0, spec["vocab"], (24, 12)).astype("int32"), rng.integers(0, 4, 24).astype("int32")
     reference = build()
     initial = reference.get_weights()
     h.compile_model(reference)

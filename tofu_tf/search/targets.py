@@ -7,7 +7,9 @@ machines:
 
 * convolutions (``Conv2D``, ``Conv2DBackpropInput``, ``Conv2DBackpropFilter``,
   ``DepthwiseConv2dNative`` and its backprops) run batch-split or replicated only:
-  the filter stays whole and no other dim of the data tensors is split. In a
+  the filter stays whole and no other dim of the data tensors is split; so do the
+  other ops of a convolution's layer (a Conv1D's bias add on 3-D tensors), and the
+  weights they read stay replicated. In a
   graph with convolutions, 4-D activations are split on the batch dim only and
   weights read by ops on 4-D tensors (BatchNorm's scale and offset) stay
   replicated: DTensor propagates a channel split back into the convolution;
@@ -50,15 +52,30 @@ def restrict_provider(provider, target: Target, graph: ir.Graph):
     if target is Target.IDEAL:
         return provider
     has_conv = any(op.type in CONV_OPS for op in graph.ops)
+    conv_layers = convolution_layers(graph)
 
     def lowerable(op: ir.Op, graph_: ir.Graph, n: int) -> list[OpStrategy]:
-        return [s for s in provider(op, graph_, n) if dtensor_lowerable(op, graph_, s, has_conv=has_conv)]
+        return [s for s in provider(op, graph_, n)
+                if dtensor_lowerable(op, graph_, s, has_conv=has_conv, conv_layers=conv_layers)]
     return lowerable
 
 
-def dtensor_lowerable(op: ir.Op, graph: ir.Graph, strategy: OpStrategy, *, has_conv: bool = False) -> bool:
-    """Whether DTensor (TF 2.21) can run ``op`` under ``strategy`` on one mesh axis."""
+def convolution_layers(graph: ir.Graph) -> frozenset[str]:
+    """The Keras layers that run a convolution (their ops' ``layer``)."""
+    return frozenset(op.layer for op in graph.ops if op.type in CONV_OPS and op.layer)
+
+
+def dtensor_lowerable(op: ir.Op, graph: ir.Graph, strategy: OpStrategy, *, has_conv: bool = False,
+                      conv_layers: frozenset[str] = frozenset()) -> bool:
+    """Whether DTensor (TF 2.21) can run ``op`` under ``strategy`` on one mesh axis.
+
+    Every op of a convolution's layer runs batch-split or replicated, like the
+    convolution: a Conv1D adds its bias and applies its activation to 3-D tensors
+    after squeezing the convolution's output, and DTensor propagates a channel split
+    there back into the convolution."""
     ins, outs = strategy.inputs, strategy.outputs
+    if op.layer in conv_layers and op.type not in CONV_OPS:
+        return all(s.dim in (None, 0) for s in (*ins, *outs))
     if op.type in CONV_OPS:
         side, index = _FILTER.get(op.type, ("in", 1))
         filt = (ins if side == "in" else outs)[index] if index < len(ins if side == "in" else outs) else None
@@ -95,6 +112,7 @@ def pinned_variables(graph: ir.Graph, target: Target) -> frozenset[str]:
     if target is Target.IDEAL:
         return frozenset()
     has_conv = any(op.type in CONV_OPS for op in graph.ops)
+    conv_layers = convolution_layers(graph)
     pinned: set[str] = set()
     readers: dict[str, list[ir.Op]] = {}
     for op in graph.ops:
@@ -109,7 +127,8 @@ def pinned_variables(graph: ir.Graph, target: Target) -> frozenset[str]:
         users = _users_through_aliases(op.outputs[0], readers)
         if _is_recurrent(op) or any(_is_recurrent(u) for u in users):
             pinned.add(tensor.variable_path)
-        elif has_conv and any(u.type in CONV_OPS or _touches_rank4(u, graph) for u in users):
+        elif has_conv and any(u.type in CONV_OPS or u.layer in conv_layers or _touches_rank4(u, graph)
+                              for u in users):
             pinned.add(tensor.variable_path)
     return frozenset(pinned)
 
