@@ -40,10 +40,11 @@ def main(argv):
         for _ in range(FLAGS.repeats):
             for updates, (totals, traces, translations) in runs.items():
                 start = time.perf_counter()
-                traced = capture._trace(model, "tf_keras", FLAGS.batch_size, "sparse_categorical_crossentropy",
-                                        "adam", None, stamp_updates=updates == "stamped")
+                with keras_adapter.recording_layer_scopes("tf_keras", model) as layers:
+                    traced = capture._trace(model, "tf_keras", FLAGS.batch_size, "sparse_categorical_crossentropy",
+                                            "adam", None, None, stamp_updates=updates == "stamped")
                 mid = time.perf_counter()
-                graph = capture._Translator(traced, keras_adapter.layer_names(model)).translate()
+                graph = capture._Translator(traced, layers).translate()
                 end = time.perf_counter()
                 traces.append(mid - start)
                 translations.append(end - mid)

@@ -410,7 +410,10 @@ def _unroll(layer, timesteps) -> None:
 def _timesteps(layer) -> int | None:
     """A sequence layer's static number of steps (dim 1 of its input), or None."""
     try:
-        return layer.input.shape[1]  # the symbolic input of a functional model's layer
+        inputs = layer.input  # the symbolic input of a functional model's layer
+        if isinstance(inputs, (list, tuple)):  # Keras 3 lists a mask passed along (Embedding(mask_zero=True))
+            inputs = inputs[0]
+        return inputs.shape[1]
     except (AttributeError, ValueError):
         spec = layer.input_spec
         spec = spec[0] if isinstance(spec, (list, tuple)) else spec

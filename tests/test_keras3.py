@@ -156,6 +156,67 @@ def test_keras3_subclassed_model_trains_as_one_device():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _text_cnn():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((16,), dtype="int32"), keras.layers.Embedding(512, 128),
+                             keras.layers.Conv1D(128, 3, padding="same", activation="relu"),
+                             keras.layers.GlobalMaxPooling1D(), keras.layers.Dense(256, activation="relu"),
+                             keras.layers.Dense(4)])
+
+
+def test_keras3_ops_belong_to_the_layer_that_made_them():
+    """Keras 3 opens a layer's name scope twice (build, then call), so its ops sit in
+    ``dense_1/`` for layer ``dense`` and ``dense_1_2/`` for layer ``dense_1``: read from
+    names, they went to the wrong layer or none (a convolution's to none, so the
+    DTensor target's convolution rule missed them). Capture records the scopes."""
+    from tofu_tf.tf.capture import capture_training_step
+    model = _text_cnn()
+    graph = capture_training_step(model, batch_size=8, loss="sparse_categorical_crossentropy", optimizer="sgd")
+    dense, dense_1 = [layer.name for layer in model.layers if isinstance(layer, keras.layers.Dense)]
+    conv = next(layer.name for layer in model.layers if isinstance(layer, keras.layers.Conv1D))
+    kernel_layer = {}
+    for op in graph.ops:
+        if op.type == "MatMul" and not op.name.startswith("gradient"):
+            kernel_layer[graph.tensors[op.inputs[1]].shape] = op.layer
+    assert kernel_layer == {(128, 256): dense, (256, 4): dense_1}
+    convolutions = [op for op in graph.ops if op.type.startswith("Conv2D")]
+    assert convolutions and all(op.layer == conv for op in convolutions)
+    assert all(op.layer == conv for op in graph.ops if op.type in ("BiasAdd", "BiasAddGrad")
+               and graph.tensors[op.outputs[0]].shape[-1:] == (128,))
+
+
+@pytest.mark.parametrize("case", ["conv1d", "masked_lstm"])
+def test_keras3_sequence_models_train_as_one_device(case):
+    """Embedding -> Conv1D whose bias the plan would split (DTensor then failed), and an
+    LSTM reading a mask from Embedding(mask_zero=True) (Keras 3 lists the mask among
+    the layer's inputs: its sequence length was not found)."""
+    def build():
+        if case == "conv1d":
+            return _text_cnn()
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([keras.Input((12,), dtype="int32"), keras.layers.Embedding(64, 32, mask_zero=True),
+                                 keras.layers.LSTM(16), keras.layers.Dense(4)])
+
+    rng = np.random.default_rng(0)
+    length = 16 if case == "conv1d" else 12
+    x, y = rng.integers(0, 64, (24, length)).astype("int32"), rng.integers(0, 4, 24).astype("int32")
+    x[:, 9:] = 0
+    reference = build()
+    initial = reference.get_weights()
+    compile_model(reference)
+    expected = reference.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = build()
+        compile_model(model)
+    strategy.plan_model(model, batch_size=h.BATCH)
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_callbacks_and_weight_files(tmp_path):
     strategy = TofuStrategy(8, plan=h.HandPlan({"batch": 2, "model": 4}, HAND_LAYOUTS["mlp"], {"x": ("batch",)}))
     with strategy.scope():

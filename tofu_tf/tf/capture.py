@@ -74,16 +74,17 @@ def capture_training_step(model, *, batch_size: int, loss, optimizer, labels: tf
 
     ``loss`` and ``optimizer`` take what ``model.compile`` takes (names or
     objects). ``labels`` overrides the inferred label spec; ``features`` (specs of a
-    batch's inputs) give a subclassed model's inputs. The model must be built; the user's optimizer is left untouched. ``trace_each_update`` traces
-    the optimizer's update for every weight instead of once per weight shape
-    (slower; the IR is the same up to op names).
+    batch's inputs) give a subclassed model's inputs. The model must be built; the
+    user's optimizer is left untouched. ``trace_each_update`` traces the optimizer's
+    update for every weight instead of once per weight shape (slower; the IR is the
+    same up to op names).
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     framework = keras_adapter.framework_of(model)
-    traced = _trace(model, framework, batch_size, loss, optimizer, labels, features,
-                    stamp_updates=not trace_each_update)
-    layers = keras_adapter.layer_names(model)
+    with keras_adapter.recording_layer_scopes(framework, model) as layers:
+        traced = _trace(model, framework, batch_size, loss, optimizer, labels, features,
+                        stamp_updates=not trace_each_update)
     graph = _Translator(traced, layers).translate()
     graph = dataclasses.replace(graph, batch_size=batch_size, framework=framework)
     _check_static_shapes(graph)
@@ -221,9 +222,9 @@ def _collect_variables(model, opt, slots, gradient_box):
 class _Translator:
     """Walks a traced FuncGraph (inlining calls) and builds IR ops and tensors."""
 
-    def __init__(self, traced: _TraceResult, layer_names: set[str]):
+    def __init__(self, traced: _TraceResult, layers: keras_adapter.LayerScopes):
         self._traced = traced
-        self._layer_names = layer_names
+        self._layers = layers
         self._ops: list[ir.Op] = []
         self._tensors: dict[str, ir.Tensor] = {}
         self._alias: dict[str, str] = {}
@@ -315,10 +316,10 @@ class _Translator:
         outputs = tuple(prefix + t.name for t in op.outputs)
         body = None
         if op.type in _LOOP_OPS:
-            body = _loop_body(op, graph, self._layer_names)
+            body = _loop_body(op, graph, self._layers)
         self._ops.append(ir.Op(
             name=name, type=op.type, inputs=inputs, outputs=outputs,
-            attrs=_attrs(op), layer=_layer_of(name, self._layer_names), body=body))
+            attrs=_attrs(op), layer=self._layers.layer_of(name), body=body))
         workspace = _WORKSPACE_OUTPUTS.get(op.type, frozenset())
         if op.type in _WORKSPACE_PASSTHROUGH and inputs and inputs[0] in self._workspace:
             workspace = frozenset({0})
@@ -426,22 +427,13 @@ def _index_length_bound(op) -> int | None:
     return max(lengths) if lengths else None
 
 
-def _loop_body(op, graph, layer_names) -> ir.Graph:
+def _loop_body(op, graph, layers) -> ir.Graph:
     """Translate a loop's body into its own IR graph (its inputs are the loop variables)."""
     body = _function_graph(graph, op.get_attr("body").name)
     placeholders = tuple(t.name for t in body.inputs)
     traced = _TraceResult(body, placeholders, {}, {}, {})
-    translator = _Translator(traced, layer_names)
+    translator = _Translator(traced, layers)
     return translator.translate()
-
-
-def _layer_of(op_name: str, layer_names: set[str]) -> str | None:
-    """The innermost Keras layer whose name scope contains the op (forward or its gradient)."""
-    found = None
-    for part in op_name.split("/"):
-        if part in layer_names:
-            found = part
-    return found
 
 
 def _attrs(op) -> dict:

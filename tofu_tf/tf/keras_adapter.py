@@ -406,12 +406,56 @@ def regularization_losses(model) -> list:
     return list(model.losses)
 
 
-def layer_names(model) -> set[str]:
-    """Names of every layer, nested ones included, as they appear in op name scopes."""
-    names = set()
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        names.add(layer.name)
-    return names
+class LayerScopes:
+    """Which Keras layer made an op, read from the name scopes in the op's name.
+
+    tf-keras opens a layer's scope once per call, under the layer's own name. Keras 3
+    opens it twice (to build, then to call), and TF makes the second name unique:
+    layer ``dense``'s ops sit in ``dense_1/``, and layer ``dense_1``'s in
+    ``dense_1_2/``, so names alone attribute ops to the wrong layer or to none. For
+    Keras 3 the scopes each layer actually entered are recorded while tracing.
+    """
+
+    def __init__(self, names: set[str]):
+        self.names = names                                  # every layer's name
+        self.entered: dict[tuple[str, ...], str] = {}       # scope path entered by a layer -> its name
+
+    def layer_of(self, op_name: str) -> str | None:
+        """The innermost layer whose scope contains the op (forward or gradient)."""
+        parts = op_name.split("/")
+        if not self.entered:
+            return next((part for part in reversed(parts) if part in self.names), None)
+        best, length = None, 0
+        for start in range(len(parts)):
+            for stop in range(start + length + 1, len(parts) + 1):
+                layer = self.entered.get(tuple(parts[start:stop]))
+                if layer is not None:
+                    best, length = layer, stop - start
+        return best
+
+
+@contextlib.contextmanager
+def recording_layer_scopes(framework: str, model) -> Iterator[LayerScopes]:
+    """The layer scopes of ``model`` (see ``LayerScopes``), recorded meanwhile for Keras 3."""
+    scopes = LayerScopes({layer.name for layer in model._flatten_layers(include_self=False, recursive=True)})
+    if framework == "tf_keras":
+        yield scopes
+        return
+    from keras.src.backend.tensorflow import core
+    enter = core.name_scope.__enter__
+
+    def recording_enter(self):
+        result = enter(self)
+        if getattr(self.caller, "name", None) in scopes.names:
+            path = tf.compat.v1.get_default_graph().get_name_scope()
+            scopes.entered[tuple(path.split("/"))] = self.caller.name
+        return result
+
+    core.name_scope.__enter__ = recording_enter
+    try:
+        yield scopes
+    finally:
+        core.name_scope.__enter__ = enter
 
 
 def ensure_tf_keras_seeded() -> int | None:
