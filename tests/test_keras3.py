@@ -217,6 +217,28 @@ def test_keras3_sequence_models_train_as_one_device(case):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
+def test_keras3_weights_loaded_before_the_plan_are_trained_from(tmp_path):
+    """Fine-tuning: load_weights under the scope before any step failed (the weights had
+    no value yet); the loaded values wait on the host for the plan."""
+    pretrained = build("mlp")
+    pretrained.set_weights([w + 0.5 for w in pretrained.get_weights()])
+    pretrained.save_weights(str(tmp_path / "pretrained.weights.h5"))
+    x, y = h.data_for(pretrained)
+    reference = build("mlp")
+    reference.load_weights(str(tmp_path / "pretrained.weights.h5"))
+    compile_model(reference)
+    expected = reference.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = build("mlp")
+        model.load_weights(str(tmp_path / "pretrained.weights.h5"))
+        compile_model(model)
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_callbacks_and_weight_files(tmp_path):
     strategy = TofuStrategy(8, plan=h.HandPlan({"batch": 2, "model": 4}, HAND_LAYOUTS["mlp"], {"x": ("batch",)}))
     with strategy.scope():

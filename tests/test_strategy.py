@@ -527,6 +527,33 @@ def test_a_bidirectional_lstm_trains_as_one_device():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("weights_file", ["pretrained.weights.h5", "pretrained_checkpoint"])
+def test_weights_loaded_before_the_plan_are_trained_from(tmp_path, weights_file):
+    """Fine-tuning: load_weights under the scope, before any step. The h5 path assigned
+    to weights that had no value yet (an error); a TF checkpoint restore wrote the
+    handles that the plan then replaced, and training silently started from random
+    weights. Both are kept on the host and laid out by the plan."""
+    x, y = h.data_for(h.build("mlp"))
+    pretrained = h.build("mlp")
+    pretrained.set_weights([w + 0.5 for w in pretrained.get_weights()])
+    pretrained.save_weights(str(tmp_path / weights_file))
+    reference = h.build("mlp")
+    reference.load_weights(str(tmp_path / weights_file))
+    h.compile_model(reference)
+    expected = reference.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    strategy = TofuStrategy(8)     # no plan yet: the weights wait for one
+    with strategy.scope():
+        model = h.build("mlp")
+        model.load_weights(str(tmp_path / weights_file))
+        h.compile_model(model)
+    for got, want in zip(model.get_weights(), pretrained.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_predict_takes_any_number_of_samples():
     """13 samples at batch 8: the last batch is padded and the copies' outputs dropped,
     so the outputs are one device's for exactly those 13."""

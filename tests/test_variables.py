@@ -144,7 +144,9 @@ def test_sharded_draw_allocates_only_the_shards(initializer, most):
 
 def test_small_variables_keep_eager_values_on_the_host_until_planned():
     """Keras sets and reads counters before the plan: a small deferred variable holds those
-    values on the host and is laid out with them; a large one still refuses eager use."""
+    values on the host and is laid out with them. A large one refuses to be read or added
+    to before the plan, and takes a whole new value (weights loaded before the plan),
+    which it is laid out with."""
     counter = variables_lib.DeferredVariable(
         initial_value=lambda: tf.constant(5, tf.int64), shape=tf.TensorShape(()), dtype=tf.int64,
         name="counter", trainable=False, extra_kwargs={})
@@ -159,8 +161,14 @@ def test_small_variables_keep_eager_values_on_the_host_until_planned():
     with pytest.raises(variables_lib.DeferredVariableError, match="no value yet"):
         big.numpy()
     with pytest.raises(variables_lib.DeferredVariableError, match="no value yet"):
-        big.assign(tf.ones((16, 8)))
+        big.assign_add(tf.ones((16, 8)))
+    loaded = np.arange(128, dtype=np.float32).reshape(16, 8)
+    big.assign(loaded)
+    np.testing.assert_array_equal(big.numpy(), loaded)
     mesh = _mesh()
     planned = variables_lib.materialize(counter, dtensor.Layout.replicated(mesh, 0))
     assert isinstance(planned, variables_lib.TofuVariable) and planned.numpy() == 8
     assert all(int(shard) == 8 for shard in dtensor.unpack(planned.read_value()))
+    sharded = variables_lib.materialize(big, dtensor.Layout(["model", dtensor.UNSHARDED], mesh))
+    np.testing.assert_array_equal(sharded.numpy(), loaded)
+    assert {tuple(shard.shape) for shard in dtensor.unpack(sharded.read_value())} == {(4, 8)}

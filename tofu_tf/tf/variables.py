@@ -31,6 +31,7 @@ from absl import logging
 from tensorflow.dtensor.python import d_variable
 from tensorflow.experimental import dtensor
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.trackable import constants as trackable_constants
 
 from tofu_tf.tf import keras_adapter
 
@@ -200,13 +201,25 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
 
     def _write(self, method: str, combine, value, use_locking, name, read_value):
         """Traced writes go into the graph; eager ones update the host value of a
-        small variable (``_host_value``) and are an error for a larger one."""
+        small variable (``_host_value``). A larger one takes a whole new value (loading
+        weights before the plan: ``load_weights``, a checkpoint restore) on the host,
+        where ``materialize`` lays it out; adding to it before the plan is an error."""
         if not tf.executing_eagerly():
             return getattr(super(), method)(value, use_locking, name, read_value)
         if self._host_value() is None:
-            raise DeferredVariableError(self.name)
-        self._set_host_value(combine(self._tofu_host, np.asarray(value)))
+            if method != "assign":
+                raise DeferredVariableError(self.name)
+            self._set_host_value(value)
+        else:
+            self._set_host_value(combine(self._tofu_host, np.asarray(value)))
         return self if read_value else None
+
+    def _restore_from_tensors(self, restored_tensors):
+        """A checkpoint restore writes the handle directly, which ``materialize``
+        replaces: it goes through ``assign`` instead, so the restored value is kept."""
+        value = restored_tensors[trackable_constants.VARIABLE_VALUE_KEY]
+        self.assign(value)
+        return self.handle
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         return self._write("assign", lambda old, new: new, value, use_locking, name, read_value)
