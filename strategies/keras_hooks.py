@@ -41,19 +41,25 @@ def find_model_in_stack(max_frames: int = 12):
     model in a local variable; the plan must exist by then because the
     distributed dataset is laid out on the planned mesh.
     """
-    frame = inspect.currentframe()
+    for frame in _calling_frames(max_frames):
+        for name in ("model", "self"):
+            candidate = frame.f_locals.get(name)
+            if candidate is not None and _is_model(candidate):
+                return candidate
+    return None
+
+
+def _calling_frames(max_frames: int):
+    """The frames that called the function iterating this, innermost first."""
+    frame = inspect.currentframe().f_back
     try:
         for _ in range(max_frames):
             frame = frame.f_back
             if frame is None:
-                return None
-            for name in ("model", "self"):
-                candidate = frame.f_locals.get(name)
-                if candidate is not None and _is_model(candidate):
-                    return candidate
+                return
+            yield frame
     finally:
         del frame
-    return None
 
 
 def validation_batches_problem(num_devices: int, max_frames: int = 16) -> str | None:
@@ -66,17 +72,10 @@ def validation_batches_problem(num_devices: int, max_frames: int = 16) -> str | 
     fails before training instead. Only numpy validation data is sized here (Keras
     has applied ``validation_split`` by then).
     """
-    frame = inspect.currentframe()
-    try:
-        for _ in range(max_frames):
-            frame = frame.f_back
-            if frame is None:
-                return None
-            local = frame.f_locals
-            if frame.f_code.co_name == "fit" and "validation_data" in local and _is_model(local.get("self")):
-                return _validation_problem(local, num_devices)
-    finally:
-        del frame
+    for frame in _calling_frames(max_frames):
+        local = frame.f_locals
+        if frame.f_code.co_name == "fit" and "validation_data" in local and _is_model(local.get("self")):
+            return _validation_problem(local, num_devices)
     return None
 
 

@@ -113,3 +113,27 @@ class InitialWeights:
                 outer.weights = self.model.get_weights()
 
         self.callback = Keep()
+
+
+def train_beside_one_device(build, x, y, *, compile_fn=compile_model):
+    """One epoch of ``build()`` on one device and under ``TofuStrategy(8)``, planned first,
+    from the same initial weights: (model, reference, its losses, the reference's)."""
+    from strategies import TofuStrategy
+    reference = build()
+    initial = reference.get_weights()
+    compile_fn(reference)
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = build()
+        compile_fn(model)
+    strategy.plan_model(model, batch_size=BATCH)
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    return model, reference, loss, expected
+
+
+def assert_trained_alike(model, reference, loss, expected, *, rtol=1e-5, atol=1e-6):
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)

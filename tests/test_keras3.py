@@ -201,20 +201,7 @@ def test_keras3_sequence_models_train_as_one_device(case):
     length = 16 if case == "conv1d" else 12
     x, y = rng.integers(0, 64, (24, length)).astype("int32"), rng.integers(0, 4, 24).astype("int32")
     x[:, 9:] = 0
-    reference = build()
-    initial = reference.get_weights()
-    compile_model(reference)
-    expected = reference.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
-    strategy = TofuStrategy(8)
-    with strategy.scope():
-        model = build()
-        compile_model(model)
-    strategy.plan_model(model, batch_size=h.BATCH)
-    model.set_weights(initial)
-    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
-    np.testing.assert_allclose(loss, expected, rtol=1e-5)
-    for got, want in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    h.assert_trained_alike(*h.train_beside_one_device(build, x, y, compile_fn=compile_model), rtol=1e-4)
 
 
 def test_keras3_weights_loaded_before_the_plan_are_trained_from(tmp_path):

@@ -418,20 +418,10 @@ def test_use_ema_moving_averages_match_one_device(overwrite_every):
 def test_adafactor_trains_as_one_device():
     """Adafactor keeps placeholder state as ``tf.Variable(0)`` (a Python int), which
     capture's shape-only variables could not take."""
-    def optimizer():
-        return keras.optimizers.Adafactor(0.05)
-
-    initial, expected, expected_loss, (x, y) = h.reference_run("mlp", optimizer())
-    strategy = TofuStrategy(8)     # planned: the step is captured
-    with strategy.scope():
-        model = h.build("mlp")
-        h.compile_model(model, optimizer())
-    strategy.plan_model(model, batch_size=h.BATCH)
-    model.set_weights(initial)
-    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
-    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
-    for variable, want in zip(model.weights, expected):
-        np.testing.assert_allclose(variable.numpy(), want, rtol=1e-4, atol=1e-6, err_msg=variable.name)
+    x, y = h.data_for(h.build("mlp"))
+    trained = h.train_beside_one_device(  # planned: the step is captured
+        lambda: h.build("mlp"), x, y, compile_fn=lambda m: h.compile_model(m, keras.optimizers.Adafactor(0.05)))
+    h.assert_trained_alike(*trained, rtol=1e-4)
 
 
 @pytest.mark.parametrize("built", [False, True])
@@ -510,21 +500,8 @@ def test_a_bidirectional_lstm_trains_as_one_device():
         return keras.Sequential([keras.Input((5, 16)), keras.layers.Bidirectional(keras.layers.LSTM(16)),
                                  keras.layers.Dense(10)])
 
-    reference = build()
-    initial = reference.get_weights()
-    h.compile_model(reference)
-    x, y = h.data_for(reference)
-    expected = reference.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
-    strategy = TofuStrategy(8)
-    with strategy.scope():
-        model = build()
-        h.compile_model(model)
-    strategy.plan_model(model, batch_size=h.BATCH)
-    model.set_weights(initial)
-    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
-    np.testing.assert_allclose(loss, expected, rtol=1e-5)
-    for got, want in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    x, y = h.data_for(build())
+    h.assert_trained_alike(*h.train_beside_one_device(build, x, y))
 
 
 @pytest.mark.parametrize("weights_file", ["pretrained.weights.h5", "pretrained_checkpoint"])
@@ -615,17 +592,4 @@ def test_a_convolution_after_a_feature_split_layer_matches_one_device(spec):
 
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, spec["vocab"], (24, 12)).astype("int32"), rng.integers(0, 4, 24).astype("int32")
-    reference = build()
-    initial = reference.get_weights()
-    h.compile_model(reference)
-    expected_loss = reference.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
-    strategy = TofuStrategy(8)
-    with strategy.scope():
-        model = build()
-        h.compile_model(model)
-    strategy.plan_model(model, batch_size=h.BATCH)
-    model.set_weights(initial)
-    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
-    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
-    for variable, want in zip(model.weights, reference.get_weights()):
-        np.testing.assert_allclose(variable.numpy(), want, rtol=1e-4, atol=1e-6, err_msg=variable.name)
+    h.assert_trained_alike(*h.train_beside_one_device(build, x, y), rtol=1e-4)
