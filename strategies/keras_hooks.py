@@ -87,13 +87,32 @@ def _validation_problem(fit_locals, num_devices: int) -> str | None:
     size = fit_locals.get("validation_batch_size") or fit_locals.get("batch_size") or _KERAS_PREDICT_BATCH
     if count is None or count % size == 0:
         return None
-    # a batch size that divides the data and splits over any batch axis of the mesh
-    fitting = [d for d in range(num_devices, 4 * size + 1, num_devices) if count % d == 0]
-    instead = (f"pass validation_batch_size={min(fitting, key=lambda d: abs(d - size))} (it divides {count}) or "
-               if fitting else "")
     return (f"the validation data has {count} samples, not a multiple of the validation batch size {size}; "
             "TofuStrategy evaluates whole batches only, so validation would fail after the first epoch's "
-            f"training. Instead {instead}use {count - count % size} validation samples.")
+            f"training. Instead {_whole_batches(count, size, num_devices, 'validation_batch_size', 'validation ')}.")
+
+
+def partial_batch_advice(num_devices: int, max_frames: int = 16) -> str:
+    """For a running fit/evaluate/predict on numpy data whose length the batch size
+    does not divide: how to make every batch whole (else an empty string)."""
+    for frame in _calling_frames(max_frames):
+        local = frame.f_locals
+        if frame.f_code.co_name in ("fit", "evaluate", "predict") and _is_model(local.get("self")):
+            count = _sample_count(local.get("x"))
+            size = local.get("batch_size") or _KERAS_PREDICT_BATCH
+            if count is None or count % size == 0:
+                return ""
+            return (f"{frame.f_code.co_name} got {count} samples, not a multiple of batch_size {size}: "
+                    f"{_whole_batches(count, size, num_devices, 'batch_size')}.")
+    return ""
+
+
+def _whole_batches(count: int, size: int, num_devices: int, argument: str, kind: str = "") -> str:
+    """What to pass so that ``count`` samples make whole batches: a batch size near
+    ``size`` that divides them and splits over any batch axis of the mesh, or fewer samples."""
+    fitting = [d for d in range(num_devices, 4 * size + 1, num_devices) if count % d == 0]
+    instead = f"pass {argument}={min(fitting, key=lambda d: abs(d - size))} (it divides {count}) or " if fitting else ""
+    return f"{instead}use {count - count % size} {kind}samples"
 
 
 def _is_model(obj) -> bool:

@@ -292,10 +292,12 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         """
         batch_size = int(distribute_input.compute_batch_size(dataset).numpy())
         if batch_size < 0:
+            advice = keras_hooks.partial_batch_advice(self._devices.count)
             raise PlanningError(
                 "TofuStrategy needs a static batch size: batch the dataset with drop_remainder=True, "
                 "or pass numpy arrays whose length is a multiple of batch_size. (Once the strategy has "
-                "planned the model, predict pads a last partial batch of numpy inputs itself.)")
+                "planned the model, predict pads a last partial batch of numpy inputs itself.)"
+                + (f" Here, {advice}" if advice else ""))
         problem = keras_hooks.validation_batches_problem(self._devices.count)
         if problem:
             raise PlanningError(problem)

@@ -470,6 +470,19 @@ def test_summary_before_and_after_the_plan():
     assert any("are sharded based on spec" in line for line in lines)
 
 
+def test_a_partial_last_batch_is_refused_with_sizes_that_work():
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = h.build("mlp")
+        h.compile_model(model)
+    x, y = h.data_for(model, steps=5)
+    with pytest.raises(Exception, match="fit got 40 samples, not a multiple of batch_size 16: "
+                                        r"pass batch_size=8 \(it divides 40\) or use 32 samples"):
+        model.fit(x, y, batch_size=16, verbose=0)
+    with pytest.raises(Exception, match="evaluate got 39 samples, not a multiple of batch_size 8: use 32 samples"):
+        model.evaluate(x[:39], y[:39], batch_size=8, verbose=0)
+
+
 def test_validation_data_that_would_fail_after_an_epoch_fails_before_training():
     """40 validation samples at batch 16: the last validation batch would be partial,
     refused at the end of the first epoch. fit now refuses before its first step and
