@@ -492,8 +492,8 @@ def _plan_path(path: str, plan, shape) -> str:
 def _initial_shape(initial_value, shape):
     if shape is not None:
         return tf.TensorShape(shape)
-    if isinstance(initial_value, functools.partial) and initial_value.args:
-        return tf.TensorShape(initial_value.args[0])
+    if isinstance(initial_value, functools.partial) and initial_value.args and initial_value.args[0] is not None:
+        return tf.TensorShape(initial_value.args[0])  # (a checkpoint's save_counter passes shape None)
     inner = getattr(initial_value, "shape", None)
     if inner is not None:
         return tf.TensorShape(inner)

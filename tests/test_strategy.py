@@ -544,6 +544,37 @@ def test_weights_loaded_before_the_plan_are_trained_from(tmp_path, weights_file)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_training_resumes_from_a_checkpoint_restored_before_the_plan(tmp_path):
+    """Resuming a run: a tf.train.Checkpoint of model and optimizer restored under the scope
+    before any step. Its save counter came with no shape (planning failed), the restore
+    wrote handles the plan replaced, and the restore's bookkeeping was lost with them.
+    Weights, Adam's slots and step counter carry on as on one device."""
+    def optimizer():
+        return keras.optimizers.Adam(0.01)
+
+    x, y = h.data_for(h.build("mlp"))
+    first = h.build("mlp")
+    h.compile_model(first, optimizer())
+    first.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0)
+    path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(str(tmp_path / "run"))
+
+    def resume(model):
+        h.compile_model(model, optimizer())
+        return tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(path)
+
+    reference = h.build("mlp")
+    resume(reference)
+    expected = reference.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = h.build("mlp")
+        status = resume(model)
+    loss = model.fit(x, y, batch_size=h.BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    status.assert_existing_objects_matched()
+    assert int(model.optimizer.iterations.numpy()) == 2 * h.STEPS
+    h.assert_trained_alike(model, reference, loss, expected, rtol=1e-4)
+
+
 def test_predict_takes_any_number_of_samples():
     """13 samples at batch 8: the last batch is padded and the copies' outputs dropped,
     so the outputs are one device's for exactly those 13."""

@@ -343,10 +343,13 @@ def _become(variable, fresh: TofuVariable) -> TofuVariable:
     """Turn ``variable`` into ``fresh`` in place, so every holder sees the new buffer."""
     state = dict(fresh.__dict__)
     # Keep the name the variable was created with: the fresh one was made
-    # inside the layer's name scope again and would be called "dense/dense/kernel".
+    # inside the layer's name scope again and would be called "dense/dense/kernel";
+    # and its checkpoint bookkeeping (``_self_*``: which restore wrote it, checked
+    # after a restore made before the plan).
     for key in ("_handle_name", "_unique_id", "_shared_name", "_tofu_path"):
         if key in variable.__dict__:
             state[key] = variable.__dict__[key]
+    state.update((key, value) for key, value in variable.__dict__.items() if key.startswith("_self_"))
     variable.__dict__.clear()
     variable.__dict__.update(state)
     variable.__class__ = TofuVariable
