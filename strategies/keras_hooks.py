@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 import types
 
 import numpy as np
@@ -299,12 +300,12 @@ def summarize_unplanned_weights() -> None:
     for its layout (no DTensor variable yet) that sum is 0 and ``summary()`` raised
     ZeroDivisionError, the first thing many scripts call after ``compile``. Then
     the summary says when the layouts are chosen instead; once they are, tf-keras'
-    own lines. Installed once per process; other models' summaries are unchanged.
+    own lines. Installed once per process, once tf-keras is imported (a Keras 3 user
+    does not pay its import); other models' summaries are unchanged.
     """
-    try:
-        from tf_keras.src.utils import layer_utils
-    except ImportError:
+    if "tf_keras" not in sys.modules:
         return
+    from tf_keras.src.utils import layer_utils
     original = layer_utils.print_dtensor_variable_summary
     if getattr(original, "_tofu_wrapped", False):
         return

@@ -242,6 +242,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         dtype = tf.as_dtype(dtype) if dtype is not None else _initial_dtype(initial_value)
         path = _scoped_path(kwargs.get("name"))
         if self._lowered is None:
+            keras_hooks.summarize_unplanned_weights()   # tf-keras may be imported after the strategy was made
             variable = variables_lib.DeferredVariable(
                 initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
                 trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
