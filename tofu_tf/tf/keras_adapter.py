@@ -116,10 +116,15 @@ def build_from_features(model, features) -> bool:
     """
     if model.built and model.trainable_variables:     # a Keras 3 subclass's build() leaves its layers unbuilt
         return False
-    specs = [tf.TensorSpec(f.shape, f.dtype) for f in tf.nest.flatten(features)]
-    forward = tf.function(lambda *x: model(x if len(x) > 1 else x[0], training=False), autograph=False)
-    forward.get_concrete_function(*specs)
+    _traced_outputs(model, tf.nest.flatten(features))
     return True
+
+
+def _traced_outputs(model, specs) -> list:
+    """``model``'s outputs traced on input ``specs`` (nothing computed; an unbuilt model
+    makes its weights on the way, as at its first call)."""
+    forward = tf.function(lambda *x: model(x if len(x) > 1 else x[0], training=False), autograph=False)
+    return tf.nest.flatten(forward.get_concrete_function(*specs).structured_outputs)
 
 
 def _build_shapes(model) -> list:
@@ -150,11 +155,8 @@ def label_spec(model, loss, batch_size: int, x_specs) -> tf.TensorSpec:
 
 def _output_shape(model, x_specs) -> list:
     """The first output's shape: named by a functional model, traced for a subclassed one."""
-    outputs = getattr(model, "outputs", None)
-    if outputs:
-        return list(outputs[0].shape)
-    forward = tf.function(lambda *x: model(x if len(x) > 1 else x[0], training=False), autograph=False)
-    return tf.nest.flatten(forward.get_concrete_function(*x_specs).structured_outputs)[0].shape.as_list()
+    outputs = getattr(model, "outputs", None) or _traced_outputs(model, x_specs)
+    return list(outputs[0].shape)
 
 
 def get_loss(framework: str, loss) -> Callable:
