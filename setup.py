@@ -24,7 +24,8 @@ setup(
     extras_require={
         # highspy: the ILP reference reads HiGHS's improving solutions through it (tests
         # cover that path and the scipy.optimize.milp fallback); bench/planner.py's ILP race too.
-        "test": ["pytest>=8", "hypothesis>=6.100", "highspy>=1.7"],
-        "bench": ["highspy>=1.7"],
+        # keras-hub: the tests and bench/zoo.py train its models (small configs, no downloads).
+        "test": ["pytest>=8", "hypothesis>=6.100", "highspy>=1.7", "keras-hub>=0.32,<0.33"],
+        "bench": ["highspy>=1.7", "keras-hub>=0.32,<0.33"],
     },
 )

@@ -15,7 +15,6 @@ import inspect
 import sys
 import types
 
-import numpy as np
 import tensorflow as tf
 
 _MAX_DEPTH = 4
@@ -25,7 +24,7 @@ _MAX_DEPTH = 4
 class StepInputs:
     """The features and labels of one step, as Keras passes them to the step function."""
 
-    features: tuple
+    features: object
     labels: object | None
 
 
@@ -63,59 +62,6 @@ def _calling_frames(max_frames: int):
         del frame
 
 
-def validation_batches_problem(num_devices: int, max_frames: int = 16) -> str | None:
-    """What is wrong with a running ``fit``'s validation data, or None.
-
-    TofuStrategy evaluates whole batches only (every batch the size the layouts
-    divide; padding would bias the means), so validation data whose length is not a
-    multiple of its batch size fails at the end of the first epoch, after that epoch's
-    training. The strategy asks this when ``fit`` lays out its training data, so it
-    fails before training instead. Only numpy validation data is sized here (Keras
-    has applied ``validation_split`` by then).
-    """
-    for frame in _calling_frames(max_frames):
-        local = frame.f_locals
-        if frame.f_code.co_name == "fit" and "validation_data" in local and _is_model(local.get("self")):
-            return _validation_problem(local, num_devices)
-    return None
-
-
-def _validation_problem(fit_locals, num_devices: int) -> str | None:
-    data = fit_locals.get("validation_data")
-    if not isinstance(data, (tuple, list)) or not data:
-        return None
-    count = _sample_count(data[0])
-    size = fit_locals.get("validation_batch_size") or fit_locals.get("batch_size") or _KERAS_PREDICT_BATCH
-    if count is None or count % size == 0:
-        return None
-    return (f"the validation data has {count} samples, not a multiple of the validation batch size {size}; "
-            "TofuStrategy evaluates whole batches only, so validation would fail after the first epoch's "
-            f"training. Instead {_whole_batches(count, size, num_devices, 'validation_batch_size', 'validation ')}.")
-
-
-def partial_batch_advice(num_devices: int, max_frames: int = 16) -> str:
-    """For a running fit/evaluate/predict on numpy data whose length the batch size
-    does not divide: how to make every batch whole (else an empty string)."""
-    for frame in _calling_frames(max_frames):
-        local = frame.f_locals
-        if frame.f_code.co_name in ("fit", "evaluate", "predict") and _is_model(local.get("self")):
-            count = _sample_count(local.get("x"))
-            size = local.get("batch_size") or _KERAS_PREDICT_BATCH
-            if count is None or count % size == 0:
-                return ""
-            return (f"{frame.f_code.co_name} got {count} samples, not a multiple of batch_size {size}: "
-                    f"{_whole_batches(count, size, num_devices, 'batch_size')}.")
-    return ""
-
-
-def _whole_batches(count: int, size: int, num_devices: int, argument: str, kind: str = "") -> str:
-    """What to pass so that ``count`` samples make whole batches: a batch size near
-    ``size`` that divides them and splits over any batch axis of the mesh, or fewer samples."""
-    fitting = [d for d in range(num_devices, 4 * size + 1, num_devices) if count % d == 0]
-    instead = f"pass {argument}={min(fitting, key=lambda d: abs(d - size))} (it divides {count}) or " if fitting else ""
-    return f"{instead}use {count - count % size} {kind}samples"
-
-
 def _is_model(obj) -> bool:
     # Not ``inputs``: a subclassed Keras 3 model has no such attribute.
     return hasattr(obj, "train_step") and hasattr(obj, "trainable_variables") and callable(getattr(obj, "fit", None))
@@ -145,14 +91,15 @@ def _search(obj, depth, seen):
 
 
 def split_step_data(args) -> StepInputs:
-    """Keras calls the step with ``(data,)``; data is ``x``, ``(x,)``, ``(x, y)`` or ``(x, y, w)``."""
+    """Keras calls the step with ``(data,)``; data is ``x``, ``(x,)``, ``(x, y)`` or ``(x, y, w)``,
+    and ``x`` keeps its structure (a dict of inputs stays a dict)."""
     data = args[0] if len(args) == 1 else args
-    if isinstance(data, (tuple, list)):
+    if isinstance(data, tuple):
         features = data[0]
         labels = data[1] if len(data) > 1 else None
     else:
         features, labels = data, None
-    return StepInputs(features=tuple(tf.nest.flatten(features)), labels=labels)
+    return StepInputs(features=features, labels=labels)
 
 
 def backing_variable(variable):
@@ -188,8 +135,6 @@ def prepare_for_dtensor(model) -> list[Transformation]:
       cells): tf-keras draws masks with a stateful random op, which DTensor
       refuses; ``step_seeded_dropout`` draws them statelessly, seeded by the
       optimizer's step count (a compiled model's).
-    * ``predict`` with a last partial batch: padded, the copies' outputs dropped
-      (``pad_partial_predict``).
     Sparse (Embedding) gradients are densified in the variables instead
     (``tofu_tf.tf.variables.TofuVariable.scatter_add``).
     """
@@ -220,36 +165,7 @@ def prepare_for_dtensor(model) -> list[Transformation]:
             layer._random_generator = step_seeded_dropout(generator, step)  # pylint: disable=protected-access
             changes.append(Transformation(layer.name, "stateless dropout seeded per step",
                                           "DTensor refuses stateful random ops (RandomUniform)"))
-    if pad_partial_predict(model):
-        changes.append(Transformation(model.name, "predict pads a last partial batch and drops its outputs",
-                                      "DTensor needs every batch the size the layouts divide"))
     return changes
-
-
-def pad_partial_predict(model) -> bool:
-    """Let ``model.predict`` take any number of samples (numpy inputs).
-
-    Every batch must have the same size under DTensor (the plan's layouts divide it),
-    so a last partial batch is refused. In inference each sample's output depends only
-    on that sample, so padding the last batch with copies of the last sample and
-    dropping their outputs returns exactly the outputs of the real samples. (Not for
-    evaluate: its means would count the copies.) True when it wrapped ``predict``.
-    """
-    if getattr(model, "_tofu_pads_predict", False):
-        return False
-    original = model.predict
-
-    def predict(x, batch_size=None, *args, **kwargs):
-        count, size = _sample_count(x), batch_size or _KERAS_PREDICT_BATCH
-        if count is None or kwargs.get("steps") is not None or count % size == 0:
-            return original(x, batch_size, *args, **kwargs)
-        copies = size - count % size
-        padded = tf.nest.map_structure(lambda a: np.concatenate([a, np.repeat(a[-1:], copies, axis=0)]), x)
-        return tf.nest.map_structure(lambda out: out[:count], original(padded, size, *args, **kwargs))
-
-    model.predict = predict
-    model._tofu_pads_predict = True  # pylint: disable=protected-access
-    return True
 
 
 def update_moving_averages(optimizer) -> bool:
@@ -326,17 +242,6 @@ def summarize_unplanned_weights() -> None:
 def _moving_average(optimizer, weight):
     # pylint: disable=protected-access
     return optimizer._model_variables_moving_average[optimizer._index_dict[optimizer._var_key(weight)]]
-
-
-_KERAS_PREDICT_BATCH = 32  # what predict uses when batch_size is not given (both Keras versions)
-
-
-def _sample_count(x) -> int | None:
-    """Samples in numpy inputs (an array, or a list/tuple/dict of arrays); None otherwise."""
-    arrays = tf.nest.flatten(x)
-    if not arrays or not all(isinstance(a, np.ndarray) and a.ndim > 0 for a in arrays):
-        return None
-    return len(arrays[0])
 
 
 def step_seeded_dropout(generator, step):
@@ -450,50 +355,6 @@ def _wrapped_timesteps(layers) -> dict[int, int | None]:
     return steps
 
 
-def is_keras3(model) -> bool:
-    return not any(base.__module__.startswith("tf_keras") for base in type(model).__mro__)
-
-
-class StepwiseDataset:
-    """A distributed dataset Keras 3 iterates step by step, in Python.
-
-    Keras 3 runs a ``tf.data.Iterator`` through ``get_next_as_optional`` inside
-    its train function, and DTensor cannot expand ``OptionalFromValue``. Given
-    any other iterable, Keras 3 feeds each batch to its step function itself;
-    the batches are still DTensors in the planned batch layout.
-    """
-
-    def __init__(self, distributed, batches: int):
-        self._distributed = distributed
-        self._batches = batches
-
-    def __iter__(self):
-        return _StepwiseIterator(iter(self._distributed))
-
-    def __len__(self):
-        if self._batches < 0:
-            raise TypeError("the number of batches is unknown")
-        return self._batches
-
-    @property
-    def element_spec(self):
-        return self._distributed.element_spec
-
-
-class _StepwiseIterator:
-    def __init__(self, iterator):
-        self._iterator = iterator
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            return next(self._iterator)
-        except tf.errors.OutOfRangeError as error:
-            raise StopIteration from error
-
-
 def relayout_layer_inputs(model, layout_of_kernel, batch_axis, mesh) -> list[str]:
     """Give each sharded Dense layer and each convolution its input in the layout the plan priced.
 
@@ -543,7 +404,8 @@ def _relayout_first_argument(call, row_axis, batch_axis, mesh, dtensor):
         rank = inputs.shape.rank
         spec = [dtensor.UNSHARDED] * rank
         spec[-1] = row_axis
-        if batch_axis is not None and batch_axis != row_axis and rank > 1:
-            spec[0] = batch_axis
+        if batch_axis is not None and batch_axis != row_axis and rank > 1 \
+                and inputs.shape[0] is not None and inputs.shape[0] % mesh.dim_size(batch_axis) == 0:
+            spec[0] = batch_axis            # a batch the axis does not divide runs replicated
         return call(dtensor.relayout(inputs, dtensor.Layout(spec, mesh)), *args, **kwargs)
     return hinted_call

@@ -41,13 +41,13 @@ import weakref
 import tensorflow as tf
 from absl import logging
 from tensorflow.experimental import dtensor
-from tensorflow.dtensor.python import input_util
 from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.data.experimental.ops import distribute as distribute_input
 from tensorflow.python.distribute.experimental import dtensor_strategy_extended
 from tensorflow.python.distribute.experimental import dtensor_util
 
+from strategies import batches as batches_lib
 from strategies import keras_hooks
+from strategies import step_functions
 from tofu_tf.tf import devices as devices_lib
 from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import lowering
@@ -99,9 +99,16 @@ class TofuStrategy(distribute_lib.Strategy):
     def mesh(self) -> dtensor.Mesh:
         return self.extended.mesh
 
-    def plan_model(self, model, *, batch_size: int, loss=None, optimizer=None):
-        """Plan ``model`` now (instead of at its first step) and materialize its variables."""
-        self.extended.plan_for(model, batch_size=batch_size, loss=loss, optimizer=optimizer, labels=None)
+    def plan_model(self, model, *, batch_size: int, loss=None, optimizer=None, features=None):
+        """Plan ``model`` now (instead of at its first step) and materialize its variables.
+
+        ``features``: a batch of inputs, or its ``tf.TensorSpec`` structure, for a model
+        whose declared inputs leave a dimension open (``keras.Input(shape=(None,))``).
+        """
+        if features is not None:
+            features = tf.nest.map_structure(_spec_of, features)
+        self.extended.plan_for(model, batch_size=batch_size, loss=loss, optimizer=optimizer, labels=None,
+                               features=features)
         return self.plan
 
     def reduce(self, reduce_op, value, axis):
@@ -130,6 +137,11 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._passthrough = False
         self._prepared: set[int] = set()
         self._models: list[weakref.ref] = []
+        self._batch_placer: batches_lib.BatchPlacer | None = None
+        # The plan's unique names (keras_adapter.UniquePaths) of the planned model's weights, by
+        # id of their variable, and how often each path shared by several planned variables was made.
+        self._plan_names: dict[int, str] = {}
+        self._twin_counts: dict[str, int] = {}
         # Before a plan exists Keras still asks for a mesh; a 1-D batch mesh over
         # the same devices answers until the planned mesh replaces it.
         self._provisional = lowering.make_mesh({"batch": device_set.count}, device_set)
@@ -173,6 +185,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         logging.info("TofuStrategy: planning %s for batch %d on %d %s devices", model.name, batch_size,
                      self._devices.count, self._devices.device_type)
         self._prepare(model)
+        self._plan_names = keras_adapter.weight_paths(model)
         start = time.perf_counter()
         with self._creating_plain_variables():
             graph = capture_training_step(model, batch_size=batch_size, loss=loss, optimizer=optimizer,
@@ -203,6 +216,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._models.append(weakref.ref(model))
         for change in keras_hooks.prepare_for_dtensor(model):
             logging.info("TofuStrategy: layer %s: %s (%s)", change.layer, change.change, change.reason)
+        if step_functions.install(model, self._placer):
+            logging.info("TofuStrategy: %s: fit/evaluate/predict run one batch at a time, one program per "
+                         "input signature (a partial last batch included)", model.name)
         self._hint_layouts(model)
 
     def _hint_layouts(self, model) -> None:
@@ -274,8 +290,24 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._deferred.clear()
 
     def _layout_of(self, variable) -> dtensor.Layout:
-        path = _plan_path(keras_path(variable), self._plan, variable.shape)
+        path = self._plan_names.get(id(variable)) or self._twin_name(keras_path(variable))
+        path = _plan_path(path, self._plan, variable.shape)
         return self._lowered.layout_for(path, variable.shape)
+
+    def _twin_name(self, path: str) -> str:
+        """The plan's name for a variable made at ``path`` (an optimizer slot made after the
+        plan): the path, or where the plan holds several variables at that path (``path``,
+        ``path#2``, ...: slots of weights that share a Keras path), the next in creation
+        order, as capture named them."""
+        layouts = self._plan.variable_layouts
+        twins = 1
+        while f"{path}#{twins + 1}" in layouts:
+            twins += 1
+        if twins == 1:
+            return path
+        count = self._twin_counts.get(path, 0)
+        self._twin_counts[path] = count + 1
+        return path if count % twins == 0 else f"{path}#{count % twins + 1}"
 
     # -- running steps -----------------------------------------------------------
     @property
@@ -285,56 +317,34 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         return 1
 
     def _experimental_distribute_dataset(self, dataset, options):
-        """Lay batches out on the planned mesh (planning first if needed).
+        """The dataset's batches, each laid out on the planned mesh as it comes (planning first if needed).
 
-        Keras distributes the dataset before its first step, and DTensor's
-        dataset needs the mesh, so this is where a model is planned when
-        ``fit``/``evaluate``/``predict`` start.
+        Keras distributes the dataset before its first step, so this is where a model is
+        planned when ``fit``/``evaluate``/``predict`` start: from the static shapes of
+        the batches themselves (``strategies.batches``), whatever the model declares.
         """
-        batch_size = int(distribute_input.compute_batch_size(dataset).numpy())
-        if batch_size < 0:
-            advice = keras_hooks.partial_batch_advice(self._devices.count)
-            raise PlanningError(
-                "TofuStrategy needs a static batch size: batch the dataset with drop_remainder=True, "
-                "or pass numpy arrays whose length is a multiple of batch_size. (Once the strategy has "
-                "planned the model, predict pads a last partial batch of numpy inputs itself.)"
-                + (f" Here, {advice}" if advice else ""))
-        problem = keras_hooks.validation_batches_problem(self._devices.count)
-        if problem:
-            raise PlanningError(problem)
         model = keras_hooks.find_model_in_stack()
         if model is not None:
             self._prepare(model)
         if self._lowered is None:
-            self._plan_for_dataset(model, dataset, batch_size)
-        batches = int(dataset.cardinality().numpy())
-        dataset = _without_autotune_thread(dataset.unbatch())
-        layouts = tf.nest.map_structure(
-            lambda spec: self._lowered.batch_layout(len(spec.shape) + 1), dataset.element_spec)
-        distributed = _SizedDTensorDataset(
-            dataset=dataset, mesh=self.mesh, layouts=layouts, global_batch_size=batch_size,
-            dataset_already_batched=False, batch_dim=self._lowered.batch_axis, prefetch=None,
-            tf_data_service_config=None)
-        distributed._tofu_batches = batches  # pylint: disable=protected-access
-        if model is not None and keras_hooks.is_keras3(model):
-            return keras_hooks.StepwiseDataset(distributed, batches)
-        return distributed
+            self._plan_for_dataset(model, dataset)
+        return batches_lib.DistributedBatches(_without_autotune_thread(dataset), self._placer())
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         return self._experimental_distribute_dataset(dataset_fn(distribute_lib.InputContext()), options)
 
-    def _plan_for_dataset(self, model, dataset, batch_size) -> None:
+    def _placer(self) -> batches_lib.BatchPlacer:
+        if self._batch_placer is None or self._batch_placer.mesh is not self.mesh:
+            self._batch_placer = batches_lib.BatchPlacer(self.mesh, self._lowered.batch_axis)
+        return self._batch_placer
+
+    def _plan_for_dataset(self, model, dataset) -> None:
         if model is None:
             raise PlanningError(
                 "TofuStrategy must plan a model before distributing a dataset, and none is being "
                 "trained here. Call strategy.plan_model(model, batch_size=...) first.")
-        spec = dataset.element_spec
-        labels = None
-        if isinstance(spec, tuple) and len(spec) > 1 and isinstance(spec[1], tf.TensorSpec):
-            labels = tf.TensorSpec([batch_size] + spec[1].shape[1:].as_list(), spec[1].dtype)
-        features = spec[0] if isinstance(spec, tuple) else spec
-        self.plan_for(model, batch_size=batch_size, loss=None, optimizer=None, labels=labels,
-                      features=tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape, s.dtype), features))
+        spec = _first_batch_spec(dataset)
+        self._plan_from_specs(model, keras_hooks.split_step_data((spec,)))
 
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -354,16 +364,12 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             raise PlanningError(
                 "TofuStrategy.run was called before a plan exists and the step function does not "
                 "close over a Keras model. Call strategy.plan_model(model, batch_size=...) first.")
-        step = keras_hooks.split_step_data(args)
-        if not step.features or step.features[0].shape.rank is None or step.features[0].shape[0] is None:
-            raise PlanningError(
-                "TofuStrategy needs a static batch size: pass batch_size to fit/evaluate/predict and "
-                "make the number of samples a multiple of it (or use drop_remainder=True).")
-        labels = None
-        if step.labels is not None and tf.is_tensor(step.labels):
-            labels = tf.TensorSpec(step.labels.shape, step.labels.dtype)
-        self.plan_for(model, batch_size=int(step.features[0].shape[0]), loss=None, optimizer=None,
-                      labels=labels, features=[tf.TensorSpec(f.shape, f.dtype) for f in step.features])
+        self._plan_from_specs(model, keras_hooks.split_step_data(tf.nest.map_structure(_spec_of, args)))
+
+    def _plan_from_specs(self, model, step: keras_hooks.StepInputs) -> None:
+        labels = step.labels if isinstance(step.labels, tf.TensorSpec) else None
+        self.plan_for(model, batch_size=_batch_size_of(step.features), loss=None, optimizer=None,
+                      labels=labels, features=step.features)
 
     def _to_batch_layout(self, value):
         """Inputs of a step, on the planned mesh in the plan's batch layout.
@@ -371,19 +377,45 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         In a graph, inputs come from the distributed dataset and already carry
         layouts; eager tensors passed to ``run`` are copied onto the mesh.
         """
-        if not tf.is_tensor(value) or isinstance(value, tf.Variable):
-            return value
         if not tf.executing_eagerly():
             return value
-        if not dtensor.is_dtensor(value):
-            value = dtensor.copy_to_mesh(value, dtensor.Layout.replicated(self.mesh, value.shape.rank))
-        return dtensor.relayout(value, self._lowered.batch_layout(value.shape.rank))
+        return self._placer().place(value)
 
     def _update(self, var, fn, args, kwargs, group):
         return fn(var, *args, **kwargs)
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         return value
+
+
+def _spec_of(value):
+    """The spec of a batch's value (a tensor, an array or a spec); other values pass through."""
+    if isinstance(value, tf.TensorSpec):
+        return value
+    if tf.is_tensor(value) or hasattr(value, "shape") and hasattr(value, "dtype"):
+        return tf.TensorSpec(value.shape, tf.as_dtype(value.dtype))
+    return value
+
+
+def _first_batch_spec(dataset):
+    """The specs of the dataset's batches: its element spec when every dim is static,
+    else the shapes of its first batch (a ``.batch(b)`` pipeline leaves the batch dim
+    open; keras-hub task models build such pipelines from numpy)."""
+    spec = dataset.element_spec
+    if all(s.shape.is_fully_defined() for s in tf.nest.flatten(spec) if isinstance(s, tf.TensorSpec)):
+        return spec
+    for batch in dataset.take(1):
+        return tf.nest.map_structure(_spec_of, batch)
+    raise PlanningError("TofuStrategy was given an empty dataset: it plans from the shapes of the first batch.")
+
+
+def _batch_size_of(features) -> int:
+    leaves = [s for s in tf.nest.flatten(features) if isinstance(s, tf.TensorSpec)]
+    if not leaves or leaves[0].shape.rank in (None, 0) or leaves[0].shape[0] is None:
+        raise PlanningError(
+            "TofuStrategy plans from the static shapes of a batch, and this batch's size is unknown: "
+            "pass tensors or numpy arrays whose first dimension is the batch.")
+    return int(leaves[0].shape[0])
 
 
 def _without_autotune_thread(dataset):
@@ -407,20 +439,6 @@ def _without_autotune_thread(dataset):
     options = tf.data.Options()
     options.autotune.enabled = False
     return dataset.with_options(options)
-
-
-class _SizedDTensorDataset(input_util.DTensorDataset):
-    """A DTensorDataset that keeps the batch count of the dataset it came from.
-
-    DTensorDataset unbatches and rebatches, so its cardinality is unknown and
-    Keras would run each epoch until the iterator fails; with DTensor that
-    failure surfaces asynchronously, outside Keras' end-of-data handling.
-    """
-
-    _tofu_batches = -2  # tf.data.UNKNOWN_CARDINALITY
-
-    def cardinality(self):
-        return tf.constant(self._tofu_batches, tf.int64)
 
 
 class _GlobalReplicaContext(dtensor_util.DTensorReplicaContext):

@@ -141,11 +141,42 @@ def test_capture_allocates_nothing_model_sized():
     assert allocated < weight_bytes / 100, (allocated, weight_bytes)
 
 
-def test_dynamic_dimension_names_the_tensor_and_the_fix():
-    inputs = keras.Input((None, 4))
+def _inputs(graph):
+    return [t.name for t in graph.tensors.values() if t.role is ir.Role.INPUT]
+
+
+def test_an_open_input_dimension_names_the_input_and_the_fix():
+    inputs = keras.Input((None, 4), name="frames")
     model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
-    with pytest.raises(tofu_tf.DynamicShapeError, match=r"unknown dimension.*keras.Input\(shape=...\)"):
+    with pytest.raises(tofu_tf.DynamicShapeError,
+                       match=r"model input 'frames' has shape \(None, None, 4\).*features="):
         tofu_tf.capture_training_step(model, batch_size=2, loss="mse", optimizer="sgd")
+
+
+def test_an_open_input_dimension_is_planned_from_the_batch():
+    """``keras.Input(shape=(None, 4))``, as every keras-hub backbone declares its tokens:
+    the batch's own static shape is what is traced (was: DynamicShapeError)."""
+    inputs = keras.Input((None, 4), name="frames")
+    model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+    graph = tofu_tf.capture_training_step(model, batch_size=2, loss="mse", optimizer="sgd",
+                                          features=tf.TensorSpec((2, 5, 4), tf.float32))
+    assert [graph.tensors[name].shape for name in _inputs(graph)] == [(2, 5, 4), (2, 5, 3)]
+
+
+@pytest.mark.parametrize("framework", ["tf_keras", "keras3"])
+def test_dict_inputs_keep_their_structure_and_names(framework):
+    """Every keras-hub model takes a dict of inputs; capture called models with a flat
+    list (ValueError: the structure of inputs doesn't match)."""
+    import keras as keras3
+    k = keras if framework == "tf_keras" else keras3
+    tokens, mask = k.Input((6,), name="token_ids", dtype="int32"), k.Input((6,), name="padding_mask", dtype="int32")
+    hidden = k.layers.Embedding(16, 8)(tokens) * k.ops.expand_dims(k.ops.cast(mask, "float32"), -1) \
+        if framework == "keras3" else k.layers.Embedding(16, 8)(tokens)
+    model = k.Model({"token_ids": tokens, "padding_mask": mask}, k.layers.Dense(16)(hidden))
+    graph = tofu_tf.capture_training_step(model, batch_size=4, optimizer="sgd",
+                                          loss=k.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert sorted(name.split(":")[0] for name in _inputs(graph)) == ["labels", "padding_mask", "token_ids"]
+    assert graph.tensors["token_ids:0"].shape == (4, 6)
 
 
 def test_unbuilt_model_is_rejected_with_a_remedy():

@@ -224,10 +224,9 @@ def test_distributed_dataset_autotunes_only_when_asked(user_choice):
         options.autotune.enabled = user_choice
         dataset = dataset.with_options(options)
     distributed = strategy.experimental_distribute_dataset(dataset)
-    # DTensorDataset keeps the dataset it will split per device as _batched_dataset.
-    enabled = distributed._batched_dataset.options().autotune.enabled  # pylint: disable=protected-access
+    # DistributedBatches keeps the dataset it iterates as _dataset.
+    enabled = distributed._dataset.options().autotune.enabled  # pylint: disable=protected-access
     assert enabled is (False if user_choice is None else user_choice)
-    # Reading past the end fails asynchronously under DTensor; take what Keras takes.
     assert int(distributed.cardinality()) == h.STEPS
     features, _ = next(iter(distributed))
     np.testing.assert_array_equal(variables_lib.gather_to_host(features, dtensor.fetch_layout(features)),
@@ -468,40 +467,6 @@ def test_summary_before_and_after_the_plan():
     lines.clear()
     model.summary(print_fn=lines.append)
     assert any("are sharded based on spec" in line for line in lines)
-
-
-def test_a_partial_last_batch_is_refused_with_sizes_that_work():
-    strategy = TofuStrategy(8)
-    with strategy.scope():
-        model = h.build("mlp")
-        h.compile_model(model)
-    x, y = h.data_for(model, steps=5)
-    with pytest.raises(Exception, match="fit got 40 samples, not a multiple of batch_size 16: "
-                                        r"pass batch_size=8 \(it divides 40\) or use 32 samples"):
-        model.fit(x, y, batch_size=16, verbose=0)
-    with pytest.raises(Exception, match="evaluate got 39 samples, not a multiple of batch_size 8: use 32 samples"):
-        model.evaluate(x[:39], y[:39], batch_size=8, verbose=0)
-
-
-def test_validation_data_that_would_fail_after_an_epoch_fails_before_training():
-    """40 validation samples at batch 16: the last validation batch would be partial,
-    refused at the end of the first epoch. fit now refuses before its first step and
-    names a validation batch size that works, which then trains and validates."""
-    strategy = TofuStrategy(8)
-    with strategy.scope():
-        model = h.build("mlp")
-        h.compile_model(model)
-    x, y = h.data_for(model, steps=4)
-    x_val, y_val = h.data_for(model, steps=5, seed=3)
-    with pytest.raises(Exception, match="validation_batch_size=8 .* or use 32 validation samples"):
-        model.fit(x, y, batch_size=16, validation_data=(x_val, y_val), verbose=0)
-    assert int(model.optimizer.iterations.numpy()) == 0
-    history = model.fit(x, y, batch_size=16, validation_data=(x_val, y_val), validation_batch_size=8, verbose=0)
-    reference = h.build("mlp")
-    reference.set_weights(model.get_weights())
-    h.compile_model(reference)
-    np.testing.assert_allclose(history.history["val_loss"][-1],
-                               reference.evaluate(x_val, y_val, batch_size=8, verbose=0), rtol=1e-5)
 
 
 def test_a_bidirectional_lstm_trains_as_one_device():

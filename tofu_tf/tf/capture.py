@@ -51,9 +51,7 @@ _WORKSPACE_PASSTHROUGH = frozenset({"ZerosLike", "Identity"})
 _SKIPPED_ATTRS = frozenset({"_class", "_read_only_resource_inputs", "_has_manual_control_dependencies"})
 
 
-class DynamicShapeError(ValueError):
-    """A tensor of the step has a dimension unknown at trace time."""
-
+DynamicShapeError = keras_adapter.DynamicShapeError
 
 @dataclasses.dataclass(frozen=True)
 class _TraceResult:
@@ -117,14 +115,16 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
     loss_fn = keras_adapter.get_loss(framework, loss)
     x_specs = keras_adapter.input_specs(model, batch_size, features)
     y_spec = labels if labels is not None else keras_adapter.label_spec(model, loss, batch_size, x_specs)
+    y_spec = tf.TensorSpec(y_spec.shape, y_spec.dtype, name="labels")
     trainable = keras_adapter.trainable_variables(model)
+    weight_names = keras_adapter.weight_paths(model)
     gradient_box: dict[str, str] = {}
 
     def step_with(opt, scaling):
         def train_step(x, y):
             with tf.variable_creator_scope(_uninitialized_creator):
                 with tf.GradientTape() as tape:
-                    prediction = model(x if len(x) > 1 else x[0], training=True)
+                    prediction = model(x, training=True)
                     step_loss = loss_fn(y, prediction)
                     extra = keras_adapter.regularization_losses(model)
                     if extra:
@@ -136,7 +136,7 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
                 grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
                 for var, grad in zip(trainable, grads):
                     if grad is not None:
-                        gradient_box[grad.name] = keras_adapter.variable_path(var)
+                        gradient_box[grad.name] = weight_names[id(keras_adapter.tf_variable(var))]
                 opt.apply_gradients(zip(grads, trainable))
             return step_loss
         return train_step
@@ -153,8 +153,8 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
         if concrete is not None:
             break
 
-    variables, handle_paths = _collect_variables(model, opt, slots, gradient_box)
-    input_names = tuple(t.name for t in concrete.graph.inputs[: len(x_specs) + 1])
+    variables, handle_paths = _collect_variables(model, opt, slots, gradient_box, weight_names)
+    input_names = tuple(t.name for t in concrete.graph.inputs[: len(tf.nest.flatten(x_specs)) + 1])
     return _TraceResult(concrete.graph, input_names, gradient_box, handle_paths, variables, tuple(stamps))
 
 
@@ -174,7 +174,7 @@ def _trace_once(train_step, opt, framework, x_specs, y_spec, *, autograph, weigh
         updates = update_stamps.UpdateRecorder(opt, [keras_adapter.tf_variable(w) for w in weights], slots)
         with updates.recording(enabled=stamp_updates):
             try:
-                concrete = tf.function(train_step, autograph=autograph).get_concrete_function(list(x_specs), y_spec)
+                concrete = tf.function(train_step, autograph=autograph).get_concrete_function(x_specs, y_spec)
             except Exception as error:  # pylint: disable=broad-except
                 # Tensors used as Python bools or ints fail in many ways (OperatorNotAllowedInGraphError,
                 # TypeError from range(tensor), ...); a real error fails the AutoGraph trace again.
@@ -185,16 +185,19 @@ def _trace_once(train_step, opt, framework, x_specs, y_spec, *, autograph, weigh
     return concrete, slots, updates.stamps
 
 
-def _collect_variables(model, opt, slots, gradient_box):
+def _collect_variables(model, opt, slots, gradient_box, weight_names):
+    """The step's variables by unique name (``keras_adapter.UniquePaths``): weights as
+    ``model.weights`` names them, slots and other optimizer state in creation order,
+    as the strategy names the real optimizer's when it makes them."""
     grad_of = {path: name for name, path in gradient_box.items()}
     variables: dict[str, ir.Variable] = {}
     handle_paths: dict[int, str] = {}
+    optimizer_names = keras_adapter.UniquePaths()
 
-    def add(var, kind, **extra):
+    def add(var, kind, path, **extra):
         tf_var = keras_adapter.tf_variable(var)
-        path = extra.pop("path", None) or keras_adapter.variable_path(var)
-        if path in variables:
-            return
+        if id(tf_var.handle) in handle_paths:
+            return                                   # listed twice (a slot among the optimizer's variables)
         variables[path] = ir.Variable(
             path=path, shape=tuple(int(d) for d in tf_var.shape), dtype=tf_var.dtype.name,
             kind=kind, **extra)
@@ -202,18 +205,18 @@ def _collect_variables(model, opt, slots, gradient_box):
 
     trainable_ids = {id(keras_adapter.tf_variable(v)) for v in keras_adapter.trainable_variables(model)}
     for var in keras_adapter.model_variables(model):
-        path = keras_adapter.variable_path(var)
-        is_trainable = id(keras_adapter.tf_variable(var)) in trainable_ids
-        add(var, ir.VariableKind.WEIGHT, trainable=is_trainable, gradient=grad_of.get(path))
+        tf_var = keras_adapter.tf_variable(var)
+        path = weight_names[id(tf_var)]
+        add(var, ir.VariableKind.WEIGHT, path, trainable=id(tf_var) in trainable_ids, gradient=grad_of.get(path))
     slot_ids = set()
     for record in slots:
         slot_ids.add(id(record.slot))
-        add(record.slot, ir.VariableKind.OPTIMIZER_SLOT,
-            slot_of=keras_adapter.variable_path(record.weight), slot_name=record.slot_name)
+        add(record.slot, ir.VariableKind.OPTIMIZER_SLOT, optimizer_names.name(record.slot),
+            slot_of=weight_names[id(record.weight)], slot_name=record.slot_name)
     for var in keras_adapter.optimizer_variables(opt):
         if id(var) not in slot_ids:
             kind = ir.VariableKind.OPTIMIZER_STATE if var.shape.rank == 0 else ir.VariableKind.OPTIMIZER_SLOT
-            add(var, kind, path=f"optimizer/{keras_adapter.variable_path(var)}")
+            add(var, kind, f"optimizer/{optimizer_names.name(var)}")
     return variables, handle_paths
 
 

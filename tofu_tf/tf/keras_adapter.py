@@ -65,6 +65,43 @@ def variable_path(variable) -> str:
     return name[:-2] if name.endswith(":0") else name
 
 
+class UniquePaths:
+    """Unique, stable names for variables: each one's Keras path, and for a later
+    variable whose path is taken by another, that path + ``#2``, ``#3``...
+
+    Keras paths are not identifiers: keras-hub's T5 has two different variables at
+    ``.../self_attention/embeddings`` (the encoder's and the decoder's relative
+    attention bias). Names follow the order variables are named in, so naming the
+    same list (``model.weights``) or the same creation order (an optimizer's slots)
+    gives the same names in every run and in every process.
+    """
+
+    def __init__(self):
+        self._by_variable: dict[int, str] = {}
+        self._taken: dict[str, int] = {}
+
+    def name(self, variable, path: str | None = None) -> str:
+        key = id(tf_variable(variable))
+        if key not in self._by_variable:
+            path = path or variable_path(variable)
+            count = self._taken.get(path, 0)
+            self._taken[path] = count + 1
+            self._by_variable[key] = path if count == 0 else f"{path}#{count + 1}"
+        return self._by_variable[key]
+
+    def by_id(self) -> dict[int, str]:
+        """id(tf.Variable) -> name, for every variable named so far."""
+        return dict(self._by_variable)
+
+
+def weight_paths(model) -> dict[int, str]:
+    """id(tf.Variable) -> unique name (``UniquePaths``) of each of ``model``'s weights."""
+    names = UniquePaths()
+    for variable in model_variables(model):
+        names.name(variable)
+    return names.by_id()
+
+
 def tf_variable(variable) -> tf.Variable:
     """The tf.Variable behind a Keras variable (Keras 3 wraps one in ``.value``)."""
     if isinstance(variable, tf.Variable):
@@ -75,34 +112,94 @@ def tf_variable(variable) -> tf.Variable:
     raise UnsupportedModelError(f"variable {variable_path(variable)!r} is not backed by a tf.Variable")
 
 
-def input_specs(model, batch_size: int, features=None) -> list[tf.TensorSpec]:
-    """One TensorSpec per model input, with the batch dim set to ``batch_size``.
+class DynamicShapeError(ValueError):
+    """A tensor of the step has a dimension unknown at trace time."""
 
-    A functional or Sequential model names its inputs. A subclassed one does not:
-    its inputs are ``features`` (the specs of a batch, which ``fit`` and the other
-    loops hand the strategy), else the shape it was built with (``model.build``),
-    taken as float32.
+
+def input_specs(model, batch_size: int, features=None):
+    """The step's input specs, in the structure the model is called with, batch dim ``batch_size``.
+
+    ``features`` are the specs of a real batch (``fit`` and the other loops hand the
+    strategy the first one): they are planned as given, because the model's declared
+    inputs often leave dimensions open (``keras.Input(shape=(None,))``, as every
+    keras-hub backbone does) while each batch has static shapes. Without them, a
+    functional or Sequential model's declared inputs are used (a dict of inputs stays
+    a dict), and a subclassed model's build shape (taken as float32). Each spec is
+    named after its input (``_input_names``), so the plan's input layouts say which
+    input they lay out.
     """
     if not model.built:
         raise UnsupportedModelError(
             f"model {model.name!r} is not built: build it first, e.g. start it with keras.Input(shape=...), "
             "call model.build((None, ...)) or call it on one batch.")
-    inputs = getattr(model, "inputs", None)
-    if inputs:
-        shapes = [(getattr(t, "name", "?"), list(t.shape), tf.as_dtype(t.dtype)) for t in inputs]
-    elif features is not None:
-        shapes = [("features", list(f.shape), tf.as_dtype(f.dtype)) for f in tf.nest.flatten(features)]
+    declared = model_inputs(model)
+    if features is not None:
+        structure, source = features, "batch"
+    elif declared is not None:
+        structure, source = declared, "model input"
     else:
-        shapes = [("build shape", list(shape), tf.float32) for shape in _build_shapes(model)]
+        structure, source = [tf.TensorSpec(shape, tf.float32) for shape in _build_shapes(model)], "build shape"
+    leaves = tf.nest.flatten(structure)
+    declared_leaves = tf.nest.flatten(declared) if declared is not None else []
+    names = _input_names(structure)
     specs = []
-    for name, shape, dtype in shapes:
-        if shape and shape[0] is not None and shape[0] != batch_size and inputs:
+    aligned = len(declared_leaves) == len(leaves)
+    for name, leaf, index in zip(names, leaves, range(len(leaves))):
+        shape, dtype = list(tf.TensorShape(leaf.shape)), tf.as_dtype(leaf.dtype)
+        shown = str(getattr(declared_leaves[index], "name", None) or name).split(":")[0] if aligned else name
+        fixed = declared_leaves[index].shape[0] if aligned else None
+        if fixed is not None and fixed != batch_size:
             raise ValueError(
-                f"model input {name!r} fixes the batch size to {shape[0]}, "
-                f"but batch_size={batch_size} was asked for: pass batch_size={shape[0]} or "
-                "rebuild the model's Input without batch_size.")
-        specs.append(tf.TensorSpec([batch_size] + shape[1:], dtype))
-    return specs
+                f"model input {shown!r} fixes the batch size to {fixed}, but batch_size={batch_size} was asked "
+                f"for: pass batch_size={fixed} or rebuild the model's Input without batch_size.")
+        if not shape:
+            raise ValueError(f"model input {shown!r} is a scalar; a step's inputs need a batch dimension")
+        if any(d is None for d in shape[1:]):
+            raise DynamicShapeError(
+                f"{source} {shown!r} has shape {tuple(shape)}: tofu_tf plans static shapes, and a dimension other "
+                "than the batch is unknown. fit/evaluate/predict plan from the shapes of the batches they "
+                "receive; to plan before them, pass the shapes of a batch: "
+                "strategy.plan_model(model, batch_size=..., features=<a batch or its tf.TensorSpec>).")
+        specs.append(tf.TensorSpec([batch_size] + shape[1:], dtype, name=name))
+    if isinstance(structure, (list, tuple)) and len(specs) == 1:
+        return specs[0]                      # a one-input model is called with the tensor itself
+    return tf.nest.pack_sequence_as(structure, specs)
+
+
+def model_inputs(model):
+    """The symbolic inputs of a functional or Sequential model, in the structure it
+    was defined with (a dict stays a dict); None for a subclassed model."""
+    # pylint: disable=protected-access
+    structure = getattr(model, "_inputs_struct", None)          # Keras 3 functional
+    if structure is None:
+        structure = getattr(model, "_nested_inputs", None)      # tf-keras functional
+    if structure is None:
+        structure = getattr(model, "inputs", None) or None      # a Keras 3 Sequential
+    return structure
+
+
+def _input_names(structure) -> list[str]:
+    """One graph-safe, stable name per input leaf: its key path in a dict of inputs
+    (``token_ids``), else ``x`` for a single input and ``x_0``, ``x_1``... for a list
+    (Keras' generated input names, ``input_3``, depend on what the process built before)."""
+    paths = _leaf_paths(structure)
+    if not isinstance(structure, dict):
+        paths = ["x" if not path else f"x_{path}" for path in paths]
+    return [_graph_safe(path.replace("/", "_"), index) for index, path in enumerate(paths)]
+
+
+def _leaf_paths(structure, prefix: str = "") -> list[str]:
+    """The ``/``-joined paths of a structure's leaves, in ``tf.nest.flatten`` order (dicts by sorted key)."""
+    if isinstance(structure, dict):
+        return [p for key in sorted(structure) for p in _leaf_paths(structure[key], f"{prefix}{key}/")]
+    if isinstance(structure, (list, tuple)):
+        return [p for i, item in enumerate(structure) for p in _leaf_paths(item, f"{prefix}{i}/")]
+    return [prefix.rstrip("/")]
+
+
+def _graph_safe(name: str, index: int) -> str:
+    safe = "".join(c if c.isalnum() or c in "_.-" else "_" for c in name)
+    return safe if safe[:1].isalnum() else f"input_{index}_{safe}".rstrip("_")
 
 
 def build_from_features(model, features) -> bool:
@@ -116,15 +213,21 @@ def build_from_features(model, features) -> bool:
     """
     if model.built and model.trainable_variables:     # a Keras 3 subclass's build() leaves its layers unbuilt
         return False
-    _traced_outputs(model, tf.nest.flatten(features))
+    _traced_outputs(model, _one_input_unwrapped(features))
     return True
 
 
 def _traced_outputs(model, specs) -> list:
-    """``model``'s outputs traced on input ``specs`` (nothing computed; an unbuilt model
-    makes its weights on the way, as at its first call)."""
-    forward = tf.function(lambda *x: model(x if len(x) > 1 else x[0], training=False), autograph=False)
-    return tf.nest.flatten(forward.get_concrete_function(*specs).structured_outputs)
+    """``model``'s outputs traced on input ``specs`` (a structure; nothing computed: an
+    unbuilt model makes its weights on the way, as at its first call)."""
+    forward = tf.function(lambda x: model(x, training=False), autograph=False)
+    return tf.nest.flatten(forward.get_concrete_function(specs).structured_outputs)
+
+
+def _one_input_unwrapped(structure):
+    if isinstance(structure, (list, tuple)) and len(structure) == 1:
+        return structure[0]
+    return structure
 
 
 def _build_shapes(model) -> list:
@@ -154,8 +257,11 @@ def label_spec(model, loss, batch_size: int, x_specs) -> tf.TensorSpec:
 
 
 def _output_shape(model, x_specs) -> list:
-    """The first output's shape: named by a functional model, traced for a subclassed one."""
-    outputs = getattr(model, "outputs", None) or _traced_outputs(model, x_specs)
+    """The first output's shape: named by a functional model, traced for a subclassed one
+    or when the declared output leaves a dimension open (a keras-hub LM's sequence)."""
+    outputs = getattr(model, "outputs", None)
+    if not outputs or any(d is None for d in list(outputs[0].shape)[1:]):
+        outputs = _traced_outputs(model, x_specs)
     return list(outputs[0].shape)
 
 

@@ -1,0 +1,132 @@
+"""Batches on the planned mesh: TofuStrategy's distributed datasets.
+
+DTensor's own dataset (``DTensorDataset``) re-batches every dataset with
+``drop_remainder=True`` to one global batch size, so a partial last batch
+vanished (silently, where the cardinality was unknown) or surfaced as an error
+after the epoch had trained. Here the user's dataset is iterated as it is, and
+each batch is laid out on the mesh as it comes: split over the plan's batch
+axis when that axis divides its size, else replicated over the mesh (the
+weights keep their layouts either way). Each batch then computes exactly what
+it computes on one device, the partial last one included.
+
+The steps that consume these batches run one batch at a time
+(``strategies.step_functions``), so the batches can differ in shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+from tensorflow.experimental import dtensor
+
+from tofu_tf.tf import variables as variables_lib
+
+
+class UnplaceableBatchError(TypeError):
+    """A batch holds a value TofuStrategy cannot lay out on the mesh."""
+
+
+@dataclasses.dataclass
+class BatchPlacer:
+    """Lays a step's input values out on ``mesh``: the batch dim over ``batch_axis``
+    when it divides, else replicated."""
+
+    mesh: dtensor.Mesh
+    batch_axis: str | None
+    _replicated_sizes: set = dataclasses.field(default_factory=set)
+
+    def layout(self, shape) -> dtensor.Layout:
+        rank = len(shape)
+        if rank == 0 or self.batch_axis is None:
+            return dtensor.Layout.replicated(self.mesh, rank=rank)
+        size = self.mesh.dim_size(self.batch_axis)
+        if shape[0] is not None and shape[0] % size == 0:
+            return dtensor.Layout.batch_sharded(self.mesh, self.batch_axis, rank=rank)
+        if shape[0] not in self._replicated_sizes:
+            self._replicated_sizes.add(shape[0])
+            logging.info("TofuStrategy: a batch of %s samples does not split over mesh axis %r (size %d); "
+                         "it runs with the batch replicated over the mesh, weights in their planned layouts",
+                         shape[0], self.batch_axis, size)
+        return dtensor.Layout.replicated(self.mesh, rank=rank)
+
+    def place(self, value):
+        """``value`` on the mesh (each device receives only its part); DTensors and
+        non-tensors pass through."""
+        if value is None or isinstance(value, tf.Variable):
+            return value
+        if isinstance(value, (tf.RaggedTensor, tf.SparseTensor)):
+            raise UnplaceableBatchError(
+                f"TofuStrategy lays out dense batches only, and a batch holds a {type(value).__name__}: "
+                "pad it to a dense tensor in the input pipeline (e.g. .padded_batch or .to_tensor()).")
+        if tf.is_tensor(value) and dtensor.is_dtensor(value):
+            return value
+        if not (tf.is_tensor(value) or isinstance(value, (np.ndarray, np.generic, int, float, bool))):
+            return value
+        array = value.numpy() if tf.is_tensor(value) else np.asarray(value)
+        return variables_lib.scatter_from_host(array, self.layout(array.shape))
+
+
+def place_batch(placer: BatchPlacer, batch):
+    """Every tensor of a (nested) batch on the mesh."""
+    return tf.nest.map_structure(placer.place, batch)
+
+
+def to_host(value):
+    """A step's output as one device has it: a DTensor's full value assembled in host
+    memory from its shards (a sharded vocabulary head's logits cannot be copied off
+    the mesh as they are). Other values pass through."""
+    if not (tf.is_tensor(value) and dtensor.is_dtensor(value)):
+        return value
+    return tf.constant(variables_lib.gather_to_host(value, dtensor.fetch_layout(value)))
+
+
+class DistributedBatches:
+    """The user's dataset, batch by batch, each batch laid out on the mesh.
+
+    Both Keras versions iterate it in Python and hand each batch to the step
+    function (``strategies.step_functions``). It keeps the dataset's batch count:
+    unknown when the dataset's is (``.filter``), and then the epoch ends when the
+    data does, as on one device.
+    """
+
+    def __init__(self, dataset: tf.data.Dataset, placer: BatchPlacer):
+        self._dataset = dataset
+        self._placer = placer
+        self._batches = int(dataset.cardinality().numpy())
+
+    def __iter__(self):
+        return _PlacingIterator(iter(self._dataset), self._placer)
+
+    def __len__(self):
+        if self._batches < 0:
+            raise TypeError("the number of batches of this dataset is unknown")
+        return self._batches
+
+    def cardinality(self):
+        return tf.constant(self._batches, tf.int64)
+
+    @property
+    def element_spec(self):
+        return self._dataset.element_spec
+
+
+class _PlacingIterator:
+    def __init__(self, iterator, placer: BatchPlacer):
+        self._iterator = iterator
+        self._placer = placer
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            batch = next(self._iterator)
+        except tf.errors.OutOfRangeError as error:
+            raise StopIteration from error
+        return place_batch(self._placer, batch)
+
+    def get_next(self):
+        return next(self)

@@ -1,0 +1,169 @@
+"""Keras' train, test and predict functions, one batch at a time, one program per input signature.
+
+Keras builds each loop's function around a ``tf.data`` iterator read inside a
+``tf.function`` that relaxes shapes on a second trace (``reduce_retracing``).
+Under TofuStrategy the batches come from ``strategies.batches`` instead: each
+laid out on the mesh as it arrives, and not all of one shape (a partial last
+batch, another sequence length, a batch replicated because the batch axis does
+not divide it). So the functions installed here read the next batch in Python
+and run it through a ``tf.function`` made for its signature (shapes, dtypes and
+layouts), traced once and kept: no relaxed shapes, and a new signature is
+traced once and logged. Each step runs Keras' own ``train_step`` /
+``test_step`` / ``predict_step`` through ``strategy.run`` and Keras' own
+reduction, as Keras' functions do; predictions come back assembled on the
+host, as one device returns them.
+
+This module touches Keras internals (the step counters of tf-keras, both
+versions' ``reduce_per_replica``); a Keras upgrade that moves them changes
+this file and ``strategies.keras_hooks``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import tensorflow as tf
+from absl import logging
+from tensorflow.experimental import dtensor
+
+from strategies import batches as batches_lib
+
+_KINDS = ("train", "test", "predict")
+
+
+def install(model, placer_of) -> bool:
+    """Give ``model`` TofuStrategy's train, test and predict functions (both Keras
+    versions). ``placer_of()`` returns the strategy's current ``BatchPlacer`` (the plan
+    may come after this call). True when it changed the model."""
+    if getattr(model, "_tofu_step_functions", False):
+        return False
+    keras3 = not any(base.__module__.startswith("tf_keras") for base in type(model).__mro__)
+    for kind in _KINDS:
+        setattr(model, f"make_{kind}_function", _maker(model, kind, keras3, placer_of))
+        setattr(model, f"{kind}_function", None)
+    model._tofu_step_functions = True  # pylint: disable=protected-access
+    return True
+
+
+def _maker(model, kind: str, keras3: bool, placer_of):
+    attribute = f"{kind}_function"
+
+    def make_function(force=False):
+        current = getattr(model, attribute, None)
+        if current is not None and getattr(current, "_tofu", False) and not force:
+            return current
+        steps = SignatureSteps(model.name, kind, _step_body(model, kind, keras3), placer_of,
+                               eager=bool(getattr(model, "run_eagerly", False)))
+        if kind == "predict" and keras3:
+            function = _keras3_predict_function(steps)
+        else:
+            function = _iterator_function(model, steps, keras3, gather=kind == "predict")
+        function._tofu = True  # pylint: disable=protected-access
+        setattr(model, attribute, function)
+        return function
+    return make_function
+
+
+class SignatureSteps:
+    """One step of one loop, as a ``tf.function`` per input signature."""
+
+    def __init__(self, model_name: str, kind: str, body, placer_of, *, eager: bool = False):
+        self._model_name = model_name
+        self._eager = eager                  # run_eagerly: op by op, as Keras would
+        self._kind = kind
+        self._body = body
+        self._placer_of = placer_of
+        self._functions: dict = {}
+
+    def __call__(self, data):
+        if tf.executing_eagerly():
+            data = batches_lib.place_batch(self._placer_of(), data)
+        key = _signature(data)
+        function = self._functions.get(key)
+        if function is None:
+            if self._functions:
+                logging.info("TofuStrategy: %s %s step for a new input signature %s (signature %d; traced once, "
+                             "weights keep their planned layouts)", self._model_name, self._kind,
+                             _describe(data), len(self._functions) + 1)
+            function = self._functions[key] = self._body if self._eager else tf.function(self._body)
+        return function(data)
+
+    @property
+    def signatures(self) -> int:
+        return len(self._functions)
+
+
+def _signature(data):
+    def leaf(value):
+        if not tf.is_tensor(value):
+            return ("python", repr(value))
+        layout = dtensor.fetch_layout(value).to_string() if dtensor.is_dtensor(value) else None
+        return (tuple(value.shape.as_list()), value.dtype.name, layout)
+    return (str(tf.nest.map_structure(lambda _: 0, data)), tuple(leaf(v) for v in tf.nest.flatten(data)))
+
+
+def _describe(data) -> str:
+    return str(tf.nest.map_structure(lambda v: tuple(v.shape.as_list()) if tf.is_tensor(v) else v, data))
+
+
+def _step_body(model, kind: str, keras3: bool):
+    """What one step runs, as Keras' own function runs it (its step, its counter, its reduction)."""
+    strategy = model.distribute_strategy
+    step = getattr(model, f"{kind}_step")
+    if keras3:
+        from keras.src.backend.tensorflow import trainer as keras3_trainer
+        reduction = "concat" if kind == "predict" else "auto"
+
+        def keras3_body(data):
+            outputs = strategy.run(step, args=(data,))
+            return keras3_trainer.reduce_per_replica(outputs, strategy, reduction=reduction)
+        return keras3_body
+
+    from tf_keras.src.engine import training as tf_keras_training
+    # pylint: disable=protected-access
+    counter = getattr(model, f"_{kind}_counter")
+    reduction = "concat" if kind == "predict" else model.distribute_reduction_method
+
+    def run_step(data):
+        outputs = step(data)
+        with tf.control_dependencies(tf_keras_training._minimum_control_deps(outputs)):
+            counter.assign_add(1)
+        return outputs
+
+    def tf_keras_body(data):
+        outputs = strategy.run(run_step, args=(data,))
+        return tf_keras_training.reduce_per_replica(outputs, strategy, reduction=reduction)
+    return tf_keras_body
+
+
+def _iterator_function(model, steps: SignatureSteps, keras3: bool, *, gather: bool):
+    """``function(iterator)``: up to steps_per_execution batches; StopIteration when none is left
+    (both Keras versions end an epoch of unknown length on it)."""
+
+    def function(iterator):
+        iterator = iter(iterator)           # Keras 3's train_on_batch passes a list of one batch
+        outputs, ran = None, False
+        for data in itertools.islice(iterator, _steps_per_execution(model, keras3)):
+            outputs, ran = steps(data), True
+        if not ran:
+            raise StopIteration
+        return tf.nest.map_structure(batches_lib.to_host, outputs) if gather else outputs
+    return function
+
+
+def _keras3_predict_function(steps: SignatureSteps):
+    """Keras 3 hands predict's function a list of batches and concatenates what it returns."""
+
+    def function(data):
+        outputs = [tf.nest.map_structure(batches_lib.to_host, steps(batch)) for batch in data]
+        if len(outputs) == 1:
+            return outputs[0]
+        return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *outputs)
+    return function
+
+
+def _steps_per_execution(model, keras3: bool) -> int:
+    if keras3:
+        return int(getattr(model, "steps_per_execution", 1) or 1)
+    variable = getattr(model, "_steps_per_execution", None)  # pylint: disable=protected-access
+    return 1 if variable is None else int(variable.numpy())
