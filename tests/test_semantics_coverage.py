@@ -110,6 +110,9 @@ def test_tf_keras_applications_have_no_unsupported_op(name):
     assert report.unsupported == {}, f"{name}:\n{report}"
     if name == "densenet121":
         assert report.counts["ConcatOffset"] > 0  # the gradient of each dense block's concatenation
+    # the gradients of concatenation and padding slice at begins computed in the step: still splittable
+    slices = [op for op in graph.ops if op.type == "Slice"]
+    assert slices and all(semantics.describe(op, graph).replicated is None for op in slices)
 
 
 def test_the_workloads_use_the_op_kinds_the_issue_lists(graphs):

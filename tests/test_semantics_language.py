@@ -88,6 +88,8 @@ GOLDEN = [
     (V("ConcatV2", input_shapes=[(4, 32), (4, 96), ()], input_values=[None, None, 1],
        input_dtypes=["float32", "float32", I32], output_shapes=[(4, 128)]),
      "([i, j],[i, j-32],#)->([i, j]) {i=4, j=128} fixed(j)"),
+    (_int_view("Slice", [(4, 8, 1024), (3,), (3,)], [None, (4, 8, 992)], [(4, 8, 992)]),
+     "([i, j, :],#,#)->([i, j, k]) {i=4, j=8, k=992} fixed(k)"),
     (_int_view("StridedSlice", [(8, 4, 16), (3,), (3,), (3,)], [(0, 3, 0), (8, 4, 16), (1, 1, 1)], [(8, 16)],
                attrs={"shrink_axis_mask": 2}),
      "([i, 3, j],#,#,#)->([i, j]) {i=8, j=16}"),
