@@ -3,8 +3,15 @@ of the reference workloads (forward, backward, Adam and SGD updates, loop
 bodies) has a description, and the descriptions hold on the ops as captured
 (their real attributes and shapes), checked against TF as in
 ``test_semantics_ops``. Graphs are captured once per module.
+
+Beside tofu_tf's own models the workloads include tf_keras.applications
+(DenseNet121's concatenations bring ConcatOffset into the gradient) and a
+Keras 3 mixture-of-experts router shaped like keras-hub's Mixtral (top-k,
+one-hot and scatter ops), at small inputs so capture stays quick; the larger
+applications are captured by their own test, outside the shared captures.
 """
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -29,7 +36,46 @@ _WORKLOADS = {
                  "adam"),
     "mobilenetv2": (lambda: tf_keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=10),
                     2, "sgd"),
+    "moe-router-keras3": (lambda: _moe_router(), 2, "adam"),
 }
+# Larger graphs, each captured by its own test so the module's shared captures stay quick.
+_APPLICATIONS = {
+    "densenet121": tf_keras.applications.DenseNet121,
+    "efficientnetb0": tf_keras.applications.EfficientNetB0,
+}
+
+
+class _TopKRouter(keras.layers.Layer):
+    """Routing weights of each token over all experts from its top-k router
+    probabilities, spread twice: by ``one_hot`` of the chosen experts, as
+    keras-hub's Mixtral does, and by ``tf.scatter_nd`` at (token, expert)
+    coordinates, so both lookups and their gradients are in the step."""
+
+    def __init__(self, experts: int, k: int, **kwargs):
+        super().__init__(**kwargs)
+        self.experts, self.k = experts, k
+
+    def call(self, logits):
+        ops = keras.ops
+        tokens = ops.shape(logits)[0]
+        top_p, top_i = ops.top_k(ops.softmax(logits, axis=-1), k=self.k)
+        top_p = top_p / ops.sum(top_p, axis=-1, keepdims=True)
+        by_one_hot = ops.sum(ops.one_hot(top_i, self.experts) * top_p[..., None], axis=1)
+        rows = ops.broadcast_to(ops.arange(tokens)[:, None], (tokens, self.k))
+        by_scatter = tf.scatter_nd(ops.stack([rows, top_i], axis=-1), top_p, (tokens, self.experts))
+        return by_one_hot + by_scatter
+
+
+def _moe_router(tokens=4, hidden=8, experts=4, k=2, classes=10):
+    """A Keras 3 mixture of experts over flattened tokens: a router picks each
+    token's experts, whose outputs are mixed by the routing weights."""
+    ops = keras.ops
+    x = keras.Input((tokens, hidden))
+    flat = ops.reshape(x, (-1, hidden))
+    weights = _TopKRouter(experts, k)(keras.layers.Dense(experts, use_bias=False)(flat))
+    expert_out = ops.reshape(keras.layers.Dense(experts * hidden)(flat), (-1, experts, hidden))
+    mixed = ops.reshape(ops.sum(expert_out * weights[..., None], axis=1), (-1, tokens * hidden))
+    return keras.Model(x, keras.layers.Dense(classes, activation="softmax")(mixed))
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +101,28 @@ def test_the_reference_workloads_have_no_unsupported_op(graphs):
         assert report.total == sum(graph.op_type_counts().values())
 
 
+@pytest.mark.parametrize("name", sorted(_APPLICATIONS))
+def test_tf_keras_applications_have_no_unsupported_op(name):
+    model = _APPLICATIONS[name](weights=None, input_shape=(32, 32, 3), classes=10)
+    graph = tofu_tf.capture_training_step(model, batch_size=2, loss=LOSS, optimizer="adam")
+    tf_keras.backend.clear_session()
+    report = semantics.coverage(graph)
+    assert report.unsupported == {}, f"{name}:\n{report}"
+    if name == "densenet121":
+        assert report.counts["ConcatOffset"] > 0  # the gradient of each dense block's concatenation
+    # the gradients of concatenation and padding slice at begins computed in the step: still splittable
+    slices = [op for op in graph.ops if op.type == "Slice"]
+    assert slices and all(semantics.describe(op, graph).replicated is None for op in slices)
+
+
 def test_the_workloads_use_the_op_kinds_the_issue_lists(graphs):
     types = set()
     for graph in graphs.values():
         types |= set(graph.op_type_counts())
     expected = {"MatMul", "Conv2D", "Conv2DBackpropFilter", "FusedBatchNormV3", "FusedBatchNormGradV3", "MaxPool",
                 "AvgPool", "StatelessWhile", "TensorListGetItem", "Einsum", "Softmax", "ResourceGather",
-                "RandomUniform", "DepthwiseConv2dNative", "AssignSubVariableOp", "AssignVariableOp", "ReadVariableOp"}
+                "RandomUniform", "DepthwiseConv2dNative", "AssignSubVariableOp", "AssignVariableOp", "ReadVariableOp",
+                "TopKV2", "OneHot", "ScatterNd", "GatherNd"}
     assert expected <= types
 
 

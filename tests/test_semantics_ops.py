@@ -49,7 +49,9 @@ class Check(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One op to check: its type, attributes, input values (``variables``:
-    positions fed as resource handles) and how to check it."""
+    positions fed as resource handles; ``unknown``: positions whose small
+    integer values the IR does not hold, as when capture cannot fold them)
+    and how to check it."""
 
     op_type: str
     inputs: tuple
@@ -58,6 +60,7 @@ class Case:
     check: Check = Check.EXACT
     num_parts: int = 2
     output_shapes: tuple = ()  # for ops that are not run (SHAPES, REPLICATED)
+    unknown: frozenset = frozenset()
 
 
 # -- running TF ops ------------------------------------------------------------------
@@ -118,7 +121,7 @@ def build_ir(case: Case, outputs) -> tuple[ir.Op, ir.Graph]:
             tensors[name] = ir.Tensor(name, (), "resource", ir.Role.RESOURCE, f"in{k}", ("op",), variable_path=path)
         else:
             tensors[name] = ir.Tensor(name, tuple(x.shape), x.dtype.name, ir.Role.ACTIVATION, f"in{k}", ("op",),
-                                      const_value=_small_value(x))
+                                      const_value=None if k in case.unknown else _small_value(x))
     for k, (shape, dtype) in enumerate(outputs):
         name = f"op:{k}"
         out_names.append(name)
@@ -354,6 +357,10 @@ def reduce(d: Draw, op_type: str) -> Case:
         shape = shape or (4,)
         return Case(op_type, (d.floats(shape), np.array(_random_axis(d, len(shape)), np.int32)),
                     {"exclusive": d.bool(), "reverse": d.bool()}, num_parts=d.parts())
+    if op_type == "TopKV2":
+        shape = shape or (4,)
+        return Case(op_type, (d.floats(shape), np.array(d.int(1, shape[-1]), np.int32)), {"sorted": d.bool()},
+                    num_parts=d.parts())
     if op_type in ("ArgMax", "ArgMin"):
         shape = shape or (4,)
         axis = d.int(-len(shape), len(shape) - 1)
@@ -510,6 +517,29 @@ def gather(d: Draw, op_type: str) -> Case:
     return Case(op_type, (data, d.ints(seg_shape, 0, num), np.array(num, np.int32)), num_parts=d.parts())
 
 
+def _coordinates(d: Draw, rows, dims) -> np.ndarray:
+    """Per row of ``rows`` a coordinate vector into leading dims ``dims`` (in range)."""
+    return np.stack([d.ints(rows, 0, n) for n in dims], axis=-1).astype(np.int32)
+
+
+def scatter(d: Draw, op_type: str) -> Case:
+    if op_type == "OneHot":
+        ids_shape, depth = d.shape(0, 3), d.pick(DIMS)
+        on_off = (np.array(1.5, F32), np.array(-0.5, F32))
+        return Case(op_type, (d.ints(ids_shape, -1, depth + 1), np.array(depth, np.int32)) + on_off,
+                    {"axis": d.int(-1, len(ids_shape))}, num_parts=d.parts())
+    shape = d.shape(1, 4)
+    depth = d.int(1, len(shape))
+    rows = d.shape(0 if op_type == "GatherNd" else 1, 2)  # TF's scatters refuse a single coordinate vector
+    indices = _coordinates(d, rows, shape[:depth])
+    if op_type == "GatherNd":
+        return Case(op_type, (d.floats(shape), indices), num_parts=d.parts())
+    updates = d.floats(rows + shape[depth:])
+    if op_type == "ScatterNd":
+        return Case(op_type, (indices, updates, np.array(shape, np.int32)), num_parts=d.parts())
+    return Case(op_type, (d.floats(shape), indices, updates), num_parts=d.parts())
+
+
 def _factors(n: int) -> list[int]:
     out, p = [], 2
     while n > 1:
@@ -580,7 +610,10 @@ def layout(d: Draw, op_type: str) -> Case:
     if op_type == "Slice":
         begin = [d.int(0, s - 1) if d.bool() else 0 for s in shape]
         size = [(-1 if d.bool() else s - b) if d.bool() else d.int(1, s - b) for s, b in zip(shape, begin)]
-        return Case(op_type, (d.floats(shape), np.array(begin, np.int32), np.array(size, np.int32)), num_parts=parts)
+        # a begin computed in the step (a concatenation's gradient slices at ConcatOffset's offsets)
+        unknown = frozenset({1}) if d.bool() else frozenset()
+        return Case(op_type, (d.floats(shape), np.array(begin, np.int32), np.array(size, np.int32)),
+                    num_parts=parts, unknown=unknown)
     if op_type in ("Pad", "PadV2", "MirrorPad"):
         limit = {"MirrorPad": 0}.get(op_type, 2)
         pads = [(d.int(0, min(limit, s - 1) if op_type == "MirrorPad" else 2),
@@ -669,6 +702,12 @@ def shape_op(d: Draw, op_type: str) -> Case:
         out = d.shape(0, 4)
         return Case(op_type, (np.array(d.broadcast_variant(out), np.int32),
                               np.array(d.broadcast_variant(out), np.int32)), num_parts=d.parts())
+    if op_type == "ConcatOffset":
+        shape = d.shape(1, 4)
+        axis = d.int(0, len(shape) - 1)
+        shapes = tuple(np.array(shape[:axis] + (d.pick(DIMS),) + shape[axis + 1:], np.int32)
+                       for _ in range(d.int(2, 3)))
+        return Case(op_type, (np.array(axis, np.int32),) + shapes, {"N": len(shapes)}, num_parts=d.parts())
     xs = tuple(d.floats(d.shape()) for _ in range(d.int(1, 3) if op_type == "ShapeN" else 1))
     attrs = {} if op_type == "Rank" else {"out_type": "int32"}
     return Case(op_type, xs, attrs, num_parts=d.parts())
@@ -710,7 +749,7 @@ def _table() -> dict:
     table.update(dict.fromkeys(ew_ops.NARY + ("Select", "IdentityN"), nary))
     table.update(dict.fromkeys(("BiasAdd", "BiasAddV1", "BiasAddGrad"), bias))
     table.update(dict.fromkeys(("Sum", "Mean", "Max", "Min", "Prod", "Any", "All", "EuclideanNorm", "ArgMax",
-                                "ArgMin", "L2Loss", "Cumsum"), reduce))
+                                "ArgMin", "L2Loss", "Cumsum", "TopKV2"), reduce))
     table.update(dict.fromkeys(("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"), matmul))
     table["Einsum"] = einsum
     table.update(dict.fromkeys(("Conv2D", "Conv3D", "Conv2DBackpropInput", "Conv2DBackpropFilter",
@@ -723,6 +762,8 @@ def _table() -> dict:
                                 "SoftmaxCrossEntropyWithLogits"), softmax))
     table.update(dict.fromkeys(("GatherV2", "ResourceGather", "UnsortedSegmentSum", "UnsortedSegmentMax",
                                 "UnsortedSegmentMin"), gather))
+    table.update(dict.fromkeys(("GatherNd", "ScatterNd", "OneHot", "TensorScatterUpdate", "TensorScatterAdd",
+                                "TensorScatterSub", "TensorScatterMax", "TensorScatterMin"), scatter))
     table.update(dict.fromkeys(("Reshape", "ExpandDims", "Squeeze"), reshape))
     table.update(dict.fromkeys(("Transpose", "ConcatV2", "Concat", "Pack", "Unpack", "Split", "SplitV", "Slice",
                                 "Pad", "PadV2", "MirrorPad", "Tile", "BroadcastTo", "MatrixBandPart",
@@ -730,7 +771,7 @@ def _table() -> dict:
     table.update(dict.fromkeys(("StridedSlice", "StridedSliceGrad"), strided_slice))
     table.update(dict.fromkeys(("ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
                                 "VarHandleOp", "VarIsInitializedOp", "VariableShape"), variable))
-    table.update(dict.fromkeys(("Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs",
+    table.update(dict.fromkeys(("Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs", "ConcatOffset",
                                 "StatelessRandomGetKeyCounter"), shape_op))
     table.update(dict.fromkeys(("Placeholder", "Fill", "Range") + state_ops.GENERATORS, generator))
     table.update(dict.fromkeys(state_ops.REPLICATED, replicated))
@@ -748,7 +789,7 @@ def test_every_registered_op_type_has_a_property_test():
 
 # more examples where attributes vary more
 _EXAMPLES = {conv: 14, pool: 14, einsum: 12, reshape: 12, layout: 10, strided_slice: 12, gather: 10,
-             batch_norm: 10, matmul: 8, binary: 6, reduce: 8}
+             scatter: 10, batch_norm: 10, matmul: 8, binary: 6, reduce: 8}
 
 
 @pytest.mark.parametrize("op_type", sorted(CASES))

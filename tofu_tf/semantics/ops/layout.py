@@ -142,11 +142,26 @@ def slice_(op: OpView):
     begin = as_tuple(op.value(1))
     x_shape = op.input_shapes[0]
     if begin is None:
-        return conservative(op, "slice begin not static")
+        return _slice_at_unknown_begin(op)
     begin = tuple(b + s if b < 0 else b for b, s in zip(begin, x_shape))
 
     def program(x, begin_tensor, size_tensor):
         return Out(lambda *idx: x[tuple(i + b for i, b in zip(idx, begin))], names(len(x_shape)))
+    return Program(program, meta={2: MetaKind.OUTPUT_SHAPE})
+
+
+def _slice_at_unknown_begin(op: OpView):
+    """out[i..] = x[i.., :]: a begin computed in the step (ConcatOffset's, in a
+    concatenation's gradient) is unknown, but a dim the slice keeps whole must
+    begin at 0; the cut dims stay whole."""
+    x_shape, out_shape = op.input_shapes[0], op.output_shapes[0]
+    cut = [d for d, (n, m) in enumerate(zip(x_shape, out_shape)) if n != m]
+
+    def program(x, begin_tensor, size_tensor):
+        def out(*idx):
+            value = x[tuple(slice(None) if d in cut else i for d, i in enumerate(idx))]
+            return Position(*(idx[d] for d in cut), args=(value,)) if cut else value
+        return Out(out, names(len(x_shape)))
     return Program(program, meta={2: MetaKind.OUTPUT_SHAPE})
 
 

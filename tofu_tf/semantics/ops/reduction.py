@@ -2,7 +2,9 @@
 axes. Splitting a reduced axis leaves each device a partial result combined
 by the same reduction ("partition-n-reduce"); a product is not split. Ops
 that reduce under a non-linear function (EuclideanNorm, ArgMax) reduce
-*inside* their expression, so their reduced axes are never split.
+*inside* their expression, so their reduced axes are never split. TopKV2
+selects along its last axis: each of its k results depends on the whole row
+and on its own global rank, so neither that axis nor k splits.
 """
 
 from __future__ import annotations
@@ -123,6 +125,17 @@ def cumsum(op: OpView):
     return program
 
 
+def top_k(op: OpView):
+    """values[i.., j], indices[i.., j] = the j-th largest of x[i.., :] and its position: the row is whole, j fixed"""
+    rank = len(op.input_shapes[0])
+
+    def program(x, k):
+        def out(*idx):
+            return Position(idx[-1], args=(x[idx[:-1] + (slice(None),)],))
+        return Out(out, names(rank)), Out(out, names(rank))
+    return program
+
+
 def register(registry) -> None:
     from tofu_tf.semantics.registry import Family
     for op_type in _REDUCERS:
@@ -133,3 +146,4 @@ def register(registry) -> None:
     registry.register("BiasAddGrad", family=Family.REDUCTION)(bias_add_grad)
     registry.register("L2Loss", family=Family.REDUCTION)(l2_loss)
     registry.register("Cumsum", family=Family.REDUCTION)(cumsum)
+    registry.register("TopKV2", family=Family.REDUCTION)(top_k)

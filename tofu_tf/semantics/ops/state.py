@@ -5,7 +5,9 @@ simply run whole.
   (``&`` in the text form), so a variable splits like any tensor; a resource
   input's shape is the variable's.
 * Shape ops read only static shapes (``~``): their inputs may have any layout
-  and their outputs are metadata.
+  and their outputs are metadata. Ops that compute index vectors from shape
+  vectors (BroadcastGradientArgs; ConcatOffset, the begins of the slices that
+  a concatenation's gradient cuts) are metadata in and out.
 * Generators (a fed input, fill, random numbers) read nothing per element:
   every part makes its own block (random values are equal in distribution,
   not bit for bit; for a stateless generator the lowering must give each part
@@ -124,7 +126,8 @@ def register(registry) -> None:
     registry.register("VariableShape", family=Family.SHAPE)(shape_op)
     for op_type in ("Shape", "ShapeN", "Size", "Rank"):
         registry.register(op_type, family=Family.SHAPE)(shape_op)
-    registry.register("BroadcastGradientArgs", family=Family.SHAPE)(metadata_op)
+    for op_type in ("BroadcastGradientArgs", "ConcatOffset"):
+        registry.register(op_type, family=Family.SHAPE)(metadata_op)
     registry.register("StatelessRandomGetKeyCounter", family=Family.GENERATOR)(metadata_op)
     registry.register("Placeholder", family=Family.GENERATOR)(placeholder)
     registry.register("Fill", family=Family.GENERATOR)(fill)
