@@ -104,8 +104,20 @@ def test_variables_are_deferred_until_planned():
     with strategy.scope():
         model = h.build("mlp")
     assert all(isinstance(v, variables_lib.DeferredVariable) for v in model.weights)
-    with pytest.raises(variables_lib.DeferredVariableError, match="no value yet.*plan_model"):
-        model.weights[0].numpy()
+    model.weights[0].numpy()          # reading one computes that one, on the host, and no other
+    assert model.weights[0]._tofu_host is not None
+    assert all(v._tofu_host is None for v in model.weights[1:])
+
+
+def test_weights_read_before_the_plan_are_the_ones_trained(tmp_path):
+    """get_weights / numpy() / save_weights right after building under the scope (before
+    any plan) gave DeferredVariableError; they give the values the plan lays out, and the
+    run trains from them as one device does."""
+    def build():
+        keras.utils.set_random_seed(7)
+        return models.mlp(width=256)     # wide enough that the planner splits weights
+
+    h.assert_trained_alike(*h.train_from_weights_read_before_the_plan(build, str(tmp_path / "initial.h5")))
 
 
 @pytest.fixture(scope="module", params=sorted(h.MODELS))
