@@ -140,32 +140,53 @@ def prepare_for_dtensor(model) -> list[Transformation]:
     """
     changes = []
     step = getattr(getattr(model, "optimizer", None), "iterations", None)
-    layers = list(model._flatten_layers(include_self=False, recursive=True))  # pylint: disable=protected-access
-    wrapped_steps = _wrapped_timesteps(layers)
-    for layer in layers:
+    paths = layer_paths(model)
+    wrapped_steps = _wrapped_timesteps([layer for _, layer in paths])
+    for path, layer in paths:
         kind = type(layer).__name__
         if getattr(layer, "fused", False) is True and "BatchNormalization" in kind:
             _unfuse_batch_norm(layer)
-            changes.append(Transformation(layer.name, "fused=False", "DTensor cannot expand FusedBatchNormV3"))
+            changes.append(Transformation(path, "fused=False", "DTensor cannot expand FusedBatchNormV3"))
         if getattr(layer, "_fused", False) is True and "LayerNormalization" in kind:
             layer._fused = False  # pylint: disable=protected-access
-            changes.append(Transformation(layer.name, "fused=False", "DTensor cannot expand FusedBatchNormV3"))
+            changes.append(Transformation(path, "fused=False", "DTensor cannot expand FusedBatchNormV3"))
         if kind in ("AveragePooling2D", "AvgPool2D") and _non_overlapping(layer):
             layer.call = types.MethodType(_mean_pool_2d, layer)
-            changes.append(Transformation(layer.name, "pooling as reshape+mean",
+            changes.append(Transformation(path, "pooling as reshape+mean",
                                           "DTensor cannot expand AvgPoolGrad"))
         if hasattr(layer, "unroll") and hasattr(layer, "cell") and not layer.unroll:
             _unroll(layer, wrapped_steps[id(layer)] if id(layer) in wrapped_steps else _timesteps(layer))
-            changes.append(Transformation(layer.name, "unroll=True",
+            changes.append(Transformation(path, "unroll=True",
                                           "DTensor cannot expand the TensorList ops of a While loop"))
         generator = getattr(layer, "_random_generator", None)
         draws_masks = "Dropout" in kind or hasattr(layer, "recurrent_dropout")  # Dropout layers, RNN cells
         if draws_masks and hasattr(generator, "dropout") and step is not None \
                 and type(generator).__name__ != "StepSeededDropout":
             layer._random_generator = step_seeded_dropout(generator, step)  # pylint: disable=protected-access
-            changes.append(Transformation(layer.name, "stateless dropout seeded per step",
+            changes.append(Transformation(path, "stateless dropout seeded per step",
                                           "DTensor refuses stateful random ops (RandomUniform)"))
     return changes
+
+
+def layer_paths(model) -> list[tuple[str, object]]:
+    """Every layer of ``model`` (recursively, in ``_flatten_layers``' order) with its path
+    in the layer tree, ``block_0/attention/query``: what logs name a layer by.
+
+    Names alone repeat: a MultiHeadAttention (tf-keras and Keras 3) names its projections
+    query, key and value in every block, and nested models may reuse their layers' names.
+    A layer reached through two parents keeps the first path.
+    """
+    found: dict[int, str] = {}
+
+    def walk(layer, prefix):
+        for child in layer._flatten_layers(include_self=False, recursive=False):  # pylint: disable=protected-access
+            if id(child) not in found:
+                found[id(child)] = prefix + child.name
+                walk(child, found[id(child)] + "/")
+
+    walk(model, "")
+    layers = model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
+    return [(found.get(id(layer), layer.name), layer) for layer in layers]
 
 
 def update_moving_averages(optimizer) -> bool:
@@ -372,7 +393,7 @@ def relayout_layer_inputs(model, layout_of_kernel, batch_axis, mesh) -> list[str
     from tensorflow.experimental import dtensor
 
     hinted = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
+    for path, layer in layer_paths(model):
         if getattr(layer, "_tofu_hinted", False):
             continue
         feature_axis = _input_feature_axis(layer, layout_of_kernel, dtensor)
@@ -381,7 +402,7 @@ def relayout_layer_inputs(model, layout_of_kernel, batch_axis, mesh) -> list[str
         layer.call = types.MethodType(
             _relayout_first_argument(layer.call, feature_axis, batch_axis, mesh, dtensor), layer)
         layer._tofu_hinted = True  # pylint: disable=protected-access
-        hinted.append(layer.name)
+        hinted.append(path)
     return hinted
 
 

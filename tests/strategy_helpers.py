@@ -6,6 +6,7 @@ import numpy as np
 import tf_keras as keras
 
 from tofu_tf import models
+from tofu_tf.tf import keras_adapter
 
 BATCH = 8
 STEPS = 3
@@ -130,6 +131,33 @@ def train_beside_one_device(build, x, y, *, compile_fn=compile_model):
     strategy.plan_model(model, batch_size=BATCH)
     model.set_weights(initial)
     loss = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    return model, reference, loss, expected
+
+
+def train_from_weights_read_before_the_plan(build, weights_file, *, compile_fn=compile_model):
+    """``build()`` under ``TofuStrategy(8)``, its weights read (``get_weights``, ``numpy()``)
+    and saved to ``weights_file`` before the planner has run, then one epoch, in which the
+    planner must shard a weight; and one device trained from the weights read, which the
+    file holds too. (model, reference, its losses, the reference's)."""
+    from strategies import TofuStrategy
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = build()
+        compile_fn(model)
+    initial = model.get_weights()
+    np.testing.assert_array_equal(model.weights[0].numpy(), initial[0])
+    model.save_weights(weights_file)
+    x, y = data_for(model)
+    loss = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    layouts = [keras_adapter.tf_variable(w).layout for w in model.weights]
+    assert any(not layout.is_fully_replicated() for layout in layouts), layouts
+    reference = build()
+    reference.load_weights(weights_file)
+    for saved, read in zip(reference.get_weights(), initial):
+        np.testing.assert_array_equal(saved, read)
+    reference.set_weights(initial)
+    compile_fn(reference)
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
     return model, reference, loss, expected
 
 

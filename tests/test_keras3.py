@@ -226,6 +226,15 @@ def test_keras3_weights_loaded_before_the_plan_are_trained_from(tmp_path):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_keras3_weights_read_before_the_plan_are_the_ones_trained(tmp_path):
+    def wide_mlp():
+        keras.utils.set_random_seed(11)
+        return models.mlp(width=256, keras=keras)     # wide enough that the planner splits weights
+
+    h.assert_trained_alike(*h.train_from_weights_read_before_the_plan(
+        wide_mlp, str(tmp_path / "initial.weights.h5"), compile_fn=compile_model))
+
+
 def test_callbacks_and_weight_files(tmp_path):
     strategy = TofuStrategy(8, plan=h.HandPlan({"batch": 2, "model": 4}, HAND_LAYOUTS["mlp"], {"x": ("batch",)}))
     with strategy.scope():

@@ -1,6 +1,8 @@
 """Plan: JSON round trip, versioning, the summary table."""
 
+import dataclasses
 import json
+import re
 
 import pytest
 
@@ -44,3 +46,28 @@ def test_summary_is_a_table():
     text = _plan().summary()
     assert "batch=2 x model=4" in text and "all-reduce" in text and "d/kernel" in text
     assert "(-, model)" in text and "note: a note" in text
+
+
+def test_summary_columns_never_run_together():
+    """Long Keras 3 paths ran into the layout column, cut at 44 characters
+    ("transformer_layer_0/self_attention/query/ker(-, -, -)"): the name column grows to
+    the longest name, and a name past its limit keeps its distinctive tail."""
+    block = "gpt2_backbone/transformer_layer_0/self_attention/query"
+    very_long = "adam/" + "_".join(["transformer_layer_11_self_attention_attention_output"] * 2) + "_kernel_momentum"
+    paths = [f"{block}/kernel", f"{block}/bias", "head/kernel", very_long]
+    layouts = [(None, "model", None), ("model", None), (None, None), ("model", None)]
+    layer = "gpt2_backbone/transformer_layer_0/self_attention/attention_output"
+    plan = dataclasses.replace(_plan(), variable_layouts=dict(zip(paths, layouts)),
+                               comm_by_layer={layer: CommCost(2.0**50, 1.0), "d": CommCost(1024.0, 1e-5)})
+    lines = plan.summary().splitlines()
+    start = lines.index(next(line for line in lines if line.lstrip().startswith("variable")))
+    rows = [re.fullmatch(r"  (\S+) {2,}(\(.*\))", line) for line in lines[start + 1:start + 1 + len(paths)]]
+    assert all(rows), lines[start:]
+    assert [row.group(2) for row in rows] == [
+        "(-, model, -)", "(model, -)", "(-, -)", "(model, -)"]
+    assert [row.group(1) for row in rows[:3]] == paths[:3]
+    cut = rows[3].group(1)
+    assert cut.startswith("...") and very_long.endswith(cut[3:]) and cut.endswith("kernel_momentum")
+    assert len({row.start(2) for row in rows}) == 1              # one layout column
+    layer_row = next(line for line in lines if line.lstrip().startswith(layer))
+    assert layer_row.split() == [layer, f"{2.0**30:,.1f}", "1000.000"]

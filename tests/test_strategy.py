@@ -104,8 +104,20 @@ def test_variables_are_deferred_until_planned():
     with strategy.scope():
         model = h.build("mlp")
     assert all(isinstance(v, variables_lib.DeferredVariable) for v in model.weights)
-    with pytest.raises(variables_lib.DeferredVariableError, match="no value yet.*plan_model"):
-        model.weights[0].numpy()
+    model.weights[0].numpy()          # reading one computes that one, on the host, and no other
+    assert model.weights[0]._tofu_host is not None
+    assert all(v._tofu_host is None for v in model.weights[1:])
+
+
+def test_weights_read_before_the_plan_are_the_ones_trained(tmp_path):
+    """get_weights / numpy() / save_weights right after building under the scope (before
+    any plan) gave DeferredVariableError; they give the values the plan lays out, and the
+    run trains from them as one device does."""
+    def build():
+        keras.utils.set_random_seed(7)
+        return models.mlp(width=256)     # wide enough that the planner splits weights
+
+    h.assert_trained_alike(*h.train_from_weights_read_before_the_plan(build, str(tmp_path / "initial.h5")))
 
 
 @pytest.fixture(scope="module", params=sorted(h.MODELS))
@@ -602,3 +614,29 @@ def test_a_convolution_after_a_feature_split_layer_matches_one_device(spec):
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, spec["vocab"], (24, 12)).astype("int32"), rng.integers(0, 4, 24).astype("int32")
     h.assert_trained_alike(*h.train_beside_one_device(build, x, y), rtol=1e-4)
+
+
+@pytest.mark.parametrize("framework", ["tf_keras", "keras3"])
+def test_logs_name_layers_by_their_path(framework):
+    """Two blocks with the same layer names (a MultiHeadAttention's query/key/value in every
+    block, nested models reusing names): the strategy's log lines named both "norm" or
+    "proj"; they name each layer by its path in the layer tree."""
+    from strategies import keras_hooks
+    from tofu_tf.tf import keras_adapter
+    k = keras_adapter.keras_module(framework)
+
+    def block(i):
+        x = k.Input((4, 8))
+        h = k.layers.LayerNormalization(name="norm")(x)
+        h = k.layers.MultiHeadAttention(2, 4, name="attention")(h, h)
+        return k.Model(x, k.layers.Dense(8, name="proj")(h), name=f"block_{i}")
+
+    x = k.Input((4, 8))
+    model = k.Model(x, block(1)(block(0)(x)))
+    paths = dict(keras_hooks.layer_paths(model))
+    assert {"block_0/attention/query", "block_1/attention/query"} <= set(paths)
+    assert len(paths) == len(list(model._flatten_layers(include_self=False, recursive=True)))
+    changed = [change.layer for change in keras_hooks.prepare_for_dtensor(model) if change.change == "fused=False"]
+    assert changed == (["block_0/norm", "block_1/norm"] if framework == "tf_keras" else [])   # Keras 3 does not fuse
+    assert keras_hooks.relayout_layer_inputs(model, lambda kernel: "model", "batch", mesh=None) == \
+        ["block_0/proj", "block_1/proj"]

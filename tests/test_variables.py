@@ -142,11 +142,11 @@ def test_sharded_draw_allocates_only_the_shards(initializer, most):
     assert peak < most * full_bytes, (peak, full_bytes)
 
 
-def test_small_variables_keep_eager_values_on_the_host_until_planned():
-    """Keras sets and reads counters before the plan: a small deferred variable holds those
-    values on the host and is laid out with them. A large one refuses to be read or added
-    to before the plan, and takes a whole new value (weights loaded before the plan),
-    which it is laid out with."""
+def test_deferred_variables_keep_eager_values_on_the_host_until_planned():
+    """Keras sets and reads counters before the plan, users read and load weights: a
+    deferred variable computes its value on the host at its first eager use, keeps it
+    there, and is laid out with whatever it holds when the plan comes. Only a variable
+    whose shape is not known has no value to give."""
     counter = variables_lib.DeferredVariable(
         initial_value=lambda: tf.constant(5, tf.int64), shape=tf.TensorShape(()), dtype=tf.int64,
         name="counter", trainable=False, extra_kwargs={})
@@ -158,10 +158,9 @@ def test_small_variables_keep_eager_values_on_the_host_until_planned():
     big = variables_lib.DeferredVariable(
         initial_value=keras_adapter.DeferredZeros((16, 8), tf.float32), shape=tf.TensorShape((16, 8)),
         dtype=tf.float32, name="big", trainable=True, extra_kwargs={})
-    with pytest.raises(variables_lib.DeferredVariableError, match="no value yet"):
-        big.numpy()
-    with pytest.raises(variables_lib.DeferredVariableError, match="no value yet"):
-        big.assign_add(tf.ones((16, 8)))
+    np.testing.assert_array_equal(big.numpy(), np.zeros((16, 8), np.float32))
+    big.assign_add(tf.ones((16, 8)))
+    np.testing.assert_array_equal(big.read_value(), np.ones((16, 8), np.float32))
     loaded = np.arange(128, dtype=np.float32).reshape(16, 8)
     big.assign(loaded)
     np.testing.assert_array_equal(big.numpy(), loaded)
@@ -172,3 +171,25 @@ def test_small_variables_keep_eager_values_on_the_host_until_planned():
     sharded = variables_lib.materialize(big, dtensor.Layout(["model", dtensor.UNSHARDED], mesh))
     np.testing.assert_array_equal(sharded.numpy(), loaded)
     assert {tuple(shard.shape) for shard in dtensor.unpack(sharded.read_value())} == {(4, 8)}
+    unknown = variables_lib.DeferredVariable(
+        initial_value=lambda: tf.zeros((3,)), shape=tf.TensorShape(None), dtype=tf.float32,
+        name="unknown", trainable=False, extra_kwargs={})
+    with pytest.raises(variables_lib.DeferredVariableError, match="no value yet"):
+        unknown.numpy()
+
+
+def test_a_weight_read_before_the_plan_is_laid_out_as_read():
+    """A random initializer read before the plan is computed whole on the host once;
+    the plan shards that value instead of drawing shards of its own (which would be
+    other numbers), so what was read is what trains."""
+    keras.utils.set_random_seed(5)
+    initializer = keras.initializers.GlorotUniform()
+    kernel = variables_lib.DeferredVariable(
+        initial_value=functools.partial(initializer, (16, 8), dtype=tf.float32), shape=tf.TensorShape((16, 8)),
+        dtype=tf.float32, name="kernel", trainable=True, extra_kwargs={})
+    read = kernel.numpy()
+    np.testing.assert_array_equal(kernel.numpy(), read)
+    layout = dtensor.Layout(["model", "batch"], _mesh())
+    variables_lib.materialize_all([(kernel, layout)])
+    assert kernel.layout == layout
+    np.testing.assert_array_equal(kernel.numpy(), read)

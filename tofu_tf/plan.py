@@ -117,16 +117,19 @@ class Plan:
             f"  (peak at {mem.peak_op})",
             f"  search          {self.search_seconds:.2f} s"
             + ("" if self.proved_optimal is None else f"  (proved optimal: {self.proved_optimal})"),
-            f"  {'collective':<28}{'MiB':>12}{'ms':>10}",
         ]
-        for kind, cost in sorted(self.comm_by_collective.items(), key=lambda kv: -kv[1].seconds):
-            lines.append(f"  {kind:<28}{_mib(cost.bytes):>12}{cost.seconds * 1e3:>10.3f}")
-        lines.append(f"  {'layer (top ' + str(top) + ')':<28}{'MiB':>12}{'ms':>10}")
-        for layer, cost in sorted(self.comm_by_layer.items(), key=lambda kv: -kv[1].seconds)[:top]:
-            lines.append(f"  {layer[:28]:<28}{_mib(cost.bytes):>12}{cost.seconds * 1e3:>10.3f}")
-        lines.append(f"  {'variable':<44}layout")
-        for path, layout in list(self.variable_layouts.items())[:top]:
-            lines.append(f"  {path[:44]:<44}{_layout_text(layout)}")
+        collectives = sorted(self.comm_by_collective.items(), key=lambda kv: -kv[1].seconds)
+        layers = sorted(self.comm_by_layer.items(), key=lambda kv: -kv[1].seconds)[:top]
+        layer_header = f"layer (top {top})"
+        width = _name_width(["collective", layer_header] + [name for name, _ in collectives + layers])
+        lines.append(_row("collective", width, f"{'MiB':>12} {'ms':>10}"))
+        lines.extend(_row(kind, width, _cost_cells(cost)) for kind, cost in collectives)
+        lines.append(_row(layer_header, width, f"{'MiB':>12} {'ms':>10}"))
+        lines.extend(_row(layer, width, _cost_cells(cost)) for layer, cost in layers)
+        variables = list(self.variable_layouts.items())[:top]
+        width = _name_width(["variable"] + [path for path, _ in variables])
+        lines.append(_row("variable", width, "layout"))
+        lines.extend(_row(path, width, _layout_text(layout)) for path, layout in variables)
         if len(self.variable_layouts) > top:
             lines.append(f"  ... and {len(self.variable_layouts) - top} more variables")
         lines.extend(f"  note: {note}" for note in self.notes[:top])
@@ -203,6 +206,26 @@ def format_bytes(nbytes: float) -> str:
 
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.1f}"
+
+
+# The summary's name columns grow to the longest name shown, up to this; a longer
+# name keeps its distinctive tail ("...", then its last characters).
+_NAME_COLUMN_MAX = 80
+
+
+def _name_width(names) -> int:
+    return min(max(len(name) for name in names), _NAME_COLUMN_MAX)
+
+
+def _row(name: str, width: int, cells: str) -> str:
+    """One summary row: the name in a column ``width`` wide, two spaces, then ``cells``."""
+    if len(name) > width:
+        name = "..." + name[len(name) - width + 3:]
+    return f"  {name:<{width}}  {cells}"
+
+
+def _cost_cells(cost: CommCost) -> str:
+    return f"{_mib(cost.bytes):>12} {cost.seconds * 1e3:>10.3f}"
 
 
 def _layout_text(layout: tuple) -> str:

@@ -8,7 +8,8 @@ Two problems live here, and only here:
   Once the plan exists, ``materialize`` runs the initializer under the planned
   DTensor layout, so each device computes only its own shard, and turns the
   same Python object into a ``TofuVariable`` (layers, optimizers and
-  checkpoints keep the object they hold).
+  checkpoints keep the object they hold). Only a weight read, set or loaded
+  before the plan exists whole, on the host, and the plan lays that value out.
 * **Read-after-write inside one step.** DTensor does not keep the order of a
   write and a later read of the same variable when the step's inputs are
   batch-sharded: an optimizer that writes a slot and then reads it (SGD with
@@ -151,9 +152,9 @@ def _shard_index(layout: dtensor.Layout, location: dict, local_shape) -> tuple:
 class DeferredVariable(resource_variable_ops.UninitializedVariable):
     """A variable waiting for its layout: shape, dtype and initializer, no buffer.
 
-    It can be traced (capture only needs shapes), but reading its value
-    eagerly before the plan exists is an error that says what to do, except
-    for small variables (see ``_host_value``).
+    It can be traced (capture only needs shapes). Read eagerly before the plan
+    exists, it takes a value on the host (see ``_host_value``), which the plan
+    then lays out.
     """
 
     def __init__(self, *, initial_value, shape, dtype, name, trainable, extra_kwargs):
@@ -162,20 +163,26 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
         self._tofu_kwargs = dict(extra_kwargs)
         self._tofu_host = None
 
-    def _host_value(self) -> np.ndarray | None:
-        """The value of a small variable, kept in host memory until the plan exists.
+    def _host_value(self) -> np.ndarray:
+        """The variable's value in host memory, computed from its initializer at the first eager use.
 
-        Keras reads and sets bookkeeping variables (step counters, the
-        learning rate, a metric's total) before the first step, and capture
-        reads the optimizer's configuration. Giving each a buffer on a
-        provisional mesh and moving it to the planned one cost 0.03-0.1 s per
-        variable; a host value costs nothing, and ``materialize`` lays out
-        whatever it holds when the plan comes. None for larger variables.
+        Keras reads and sets bookkeeping variables (step counters, the learning
+        rate, a metric's total) before the first step, and capture reads the
+        optimizer's configuration. Giving each a buffer on a provisional mesh and
+        moving it to the planned one cost 0.03-0.1 s per variable; a host value
+        costs nothing. Users read weights before the plan too, to copy, save or
+        log them (``get_weights``, ``numpy()``, ``save_weights``): the variable
+        read, and only it, is then computed whole on the host, once, and
+        ``materialize`` lays out that value instead of drawing its shards, so what
+        was read is what trains. The host holds it until the plan: computing it
+        again then would give other numbers (a random initializer draws afresh,
+        and a draw sharded by the plan's layout is another stream), so reading
+        every weight before the plan keeps a full copy of the model's weights in
+        host memory until the plan replaces them with their shards.
         """
         if self._tofu_host is None:
-            count = self.shape.num_elements()
-            if count is None or count > HOST_VALUE_MAX_ELEMENTS:
-                return None
+            if not self.shape.is_fully_defined():
+                raise DeferredVariableError(self.name)
             initial = self._tofu_initial_value
             self._set_host_value(initial() if callable(initial) else initial)
         return self._tofu_host
@@ -187,31 +194,25 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
         self._tofu_initial_value = self._tofu_host  # what ``materialize`` lays out
 
     def numpy(self):
-        if self._host_value() is None:
-            raise DeferredVariableError(self.name)
-        return self._tofu_host.copy()
+        return self._host_value().copy()
 
     def _read_variable_op(self, no_copy=False):
         if not tf.executing_eagerly():
             return super()._read_variable_op(no_copy=no_copy)
-        if self._host_value() is None:
-            raise DeferredVariableError(self.name)
         with tf.device(_HOST):
-            return tf.constant(self._tofu_host)
+            return tf.constant(self._host_value())
 
     def _write(self, method: str, combine, value, use_locking, name, read_value):
-        """Traced writes go into the graph; eager ones update the host value of a
-        small variable (``_host_value``). A larger one takes a whole new value (loading
-        weights before the plan: ``load_weights``, a checkpoint restore) on the host,
-        where ``materialize`` lays it out; adding to it before the plan is an error."""
+        """Traced writes go into the graph; eager ones update the host value
+        (``_host_value``), where ``materialize`` lays it out. A whole new value (loading
+        weights before the plan: ``load_weights``, a checkpoint restore) computes
+        nothing from the initializer."""
         if not tf.executing_eagerly():
             return getattr(super(), method)(value, use_locking, name, read_value)
-        if self._host_value() is None:
-            if method != "assign":
-                raise DeferredVariableError(self.name)
+        if method == "assign":
             self._set_host_value(value)
         else:
-            self._set_host_value(combine(self._tofu_host, np.asarray(value)))
+            self._set_host_value(combine(self._host_value(), np.asarray(value)))
         return self if read_value else None
 
     def _restore_from_tensors(self, restored_tensors):
@@ -231,10 +232,6 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
         return self._write("assign_sub", np.subtract, delta, use_locking, name, read_value)
 
 
-# Variables this small keep an eager value on the host before the plan (``DeferredVariable._host_value``).
-HOST_VALUE_MAX_ELEMENTS = 64
-
-
 class DeferredVariableError(RuntimeError):
     def __init__(self, name):
         super().__init__(
@@ -252,7 +249,9 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout, *, drawn_val
     tf-keras computes the full value on one device and then slices it: a
     4096 x 4096 kernel sharded on 8 virtual CPUs peaked at 3x its full size,
     against 1x, its shards, in a function.) Other initial values (constants,
-    plain callables) are built whole once and then sharded; that is logged.
+    plain callables) are built whole once and then sharded; that is logged. A
+    value the variable took before the plan (read, set or loaded on the host:
+    ``DeferredVariable._host_value``) is sharded as it is.
     ``drawn_value``: the sharded value ``materialize_all`` already drew.
     """
     initial_value = variable._tofu_initial_value
@@ -262,6 +261,8 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout, *, drawn_val
     def sharded_initial_value():
         if drawn_value is not None:
             return drawn_value
+        if variable._tofu_host is not None:   # read, set or loaded before the plan: that value, as it is
+            return scatter_from_host(variable._tofu_host, layout)
         if isinstance(initial_value, keras_adapter.DeferredZeros):
             return sharded_zeros(shape, dtype, layout)
         if _draws_shards(variable, layout):
