@@ -55,6 +55,13 @@ class DynamicShapeError(ValueError):
     """A tensor of the step has a dimension unknown at trace time."""
 
 
+_PY_FUNCTIONS = ("EagerPyFunc", "PyFunc", "PyFuncStateless")
+_PY_FUNCTION_HINT = (
+    "It comes from tf.py_function / tf.numpy_function: TensorFlow cannot see inside a Python function, "
+    "so the shape of its result (and of its gradient, another Python function) is unknown, and DTensor "
+    "cannot run a Python function in any layout either. Write the layer with TensorFlow ops.")
+
+
 @dataclasses.dataclass(frozen=True)
 class _TraceResult:
     """What tracing produced, before translation: the graph and the Python-side
@@ -517,6 +524,7 @@ def _check_static_shapes(graph: ir.Graph) -> None:
             raise DynamicShapeError(
                 f"tensor {tensor.name!r} (from op {op.type if op else '?'} in layer "
                 f"{op.layer if op else None!r}) has shape {tensor.shape} with an unknown dimension. "
-                "tofu_tf plans static shapes: give the model a fixed input shape "
-                "(keras.Input(shape=...)) and pass batch_size, and avoid ops whose output size "
-                "depends on data.")
+                + (_PY_FUNCTION_HINT if op is not None and op.type in _PY_FUNCTIONS else
+                   "tofu_tf plans static shapes: give the model a fixed input shape "
+                   "(keras.Input(shape=...)) and pass batch_size, and avoid ops whose output size "
+                   "depends on data."))
