@@ -1,11 +1,12 @@
 """Lowering targets: the DTensor target drops what DTensor cannot lower; "ideal" keeps Tofu's space."""
 
 import pytest
-from tests.test_search_support import GraphBuilder
+from tests.test_search_support import GraphBuilder, stub_strategies
 
-from tofu_tf.search import plan_graph
+from tofu_tf.search import UnsupportedOpError, plan_graph
 from tofu_tf.search.legality import check_plan
-from tofu_tf.search.targets import Target, as_target, dtensor_lowerable, pinned_variables
+from tofu_tf.search.targets import (Target, as_target, check_lowerable, dtensor_lowerable, pinned_variables,
+                                    unlowerable_ops)
 from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, Reduction, TensorSplit
 
 P = TensorSplit(partial=Reduction.SUM)
@@ -92,3 +93,54 @@ def test_dtensor_plans_keep_conv_bn_and_lstm_weights_replicated(captured, key, k
             assert all(a is None for a in layout[1:]), (name, layout)
         if key == "conv1d" and tensor.producer and (graph.op(tensor.producer).layer or "").startswith("conv1d"):
             assert all(a is None for a in layout[1:]), (name, layout)
+
+
+def _sliced(rank: int, tokens: int, **masks):
+    b = GraphBuilder()
+    x = b.input("x", (8,) * rank)
+    spec = [b.tensor(f"spec{i}:0", (tokens,), dtype="int32", const_value=(0,) * tokens) for i in range(3)]
+    b.op("position/strided_slice", "StridedSlice", (x, *spec), [(8,) * rank], attrs=masks, layer="position")
+    return b.build()
+
+
+@pytest.mark.parametrize("written, rank, tokens, masks, refused", [
+    ("t[None]", 2, 1, dict(new_axis_mask=1), True),
+    ("t[None, ...]", 2, 2, dict(new_axis_mask=1, ellipsis_mask=2), True),
+    ("t[:, None]", 2, 2, dict(new_axis_mask=2, begin_mask=1, end_mask=1), True),
+    ("t[None, ..., :]", 3, 3, dict(new_axis_mask=1, ellipsis_mask=2, begin_mask=4, end_mask=4), True),
+    ("t[None, :, :]", 2, 3, dict(new_axis_mask=1, begin_mask=6, end_mask=6), False),
+    ("t[:, None, :]", 2, 3, dict(new_axis_mask=2, begin_mask=5, end_mask=5), False),
+    ("t[..., None]", 2, 2, dict(new_axis_mask=2, ellipsis_mask=1), False),
+    ("t[None, 0]", 3, 2, dict(new_axis_mask=1, shrink_axis_mask=2), False),
+    ("t[0]", 3, 1, dict(shrink_axis_mask=1), False),
+])
+def test_new_axis_before_implicit_axes_is_refused(written, rank, tokens, masks, refused):
+    """DTensor reads an implicit axis's layout at its output position; after a new axis
+    that is another dim's, or past the end (tests/test_dtensor_expanders.py)."""
+    graph = _sliced(rank, tokens, **masks)
+    assert bool(unlowerable_ops(graph, Target.DTENSOR)) is refused, written
+    assert not unlowerable_ops(graph, Target.IDEAL)
+    if refused:
+        with pytest.raises(UnsupportedOpError,
+                           match=r"StridedSlice 'position/strided_slice' \(Keras layer 'position'.*t\[None, :, :\]"):
+            plan_graph(graph, num_devices=8, strategy_provider=stub_strategies)
+
+
+def test_ops_without_layout_propagation_are_refused_unless_on_constants():
+    """DTensor folds ops on constants (a causal mask's band_part) before it expands any."""
+    b = GraphBuilder()
+    x = b.input("x", (8, 4))
+    ones = b.tensor("ones:0", (4, 4), const_value=1.0)
+    bounds = [b.tensor(f"bound{i}:0", (), dtype="int64", const_value=v) for i, v in enumerate((-1, 0))]
+    b.op("attn/MatrixBandPart", "MatrixBandPart", (ones, *bounds), [(4, 4)], layer="attn")
+    b.op("attn/strided_slice", "StridedSlice", (ones, *[b.tensor(f"spec{i}:0", (1,), const_value=(0,))
+                                                       for i in range(3)]), [(1, 4, 4)],
+         attrs=dict(new_axis_mask=1), layer="attn")
+    b.op("spectral/Svd", "Svd", (x,), [(4,), (8, 4), (4, 4)], layer="spectral")
+    graph = b.build()
+    found = unlowerable_ops(graph, Target.DTENSOR)
+    assert [(u.type, u.layer) for u in found] == [("Svd", "spectral")]
+    with pytest.raises(UnsupportedOpError, match=r"(?s)1 op\(s\).*Svd 'spectral/Svd' \(Keras layer 'spectral', "
+                                                 r"from tf\.linalg\.svd.*not even replicated"):
+        check_lowerable(graph, Target.DTENSOR)
+    check_lowerable(graph, Target.IDEAL)

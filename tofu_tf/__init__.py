@@ -17,6 +17,7 @@ _LAZY = {
     "register_op": ("tofu_tf.semantics", "register_op"),
     "plan_model": ("tofu_tf.search", "plan_model"),
     "plan_graph": ("tofu_tf.search", "plan_graph"),
+    "UnsupportedOpError": ("tofu_tf.search", "UnsupportedOpError"),
     "Plan": ("tofu_tf.plan", "Plan"),
 }
 

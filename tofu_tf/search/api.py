@@ -27,7 +27,7 @@ from tofu_tf.search import baselines, tofu_dp
 from tofu_tf.search.coarsen import GraphIndex, StrategyProvider
 from tofu_tf.search.problem import TIE_PENALTY, AxisDecision, AxisProblem, ProblemBuilder
 from tofu_tf.search.progress import SearchProgress
-from tofu_tf.search.targets import Target, as_target, pinned_variables, restrict_provider
+from tofu_tf.search.targets import Target, as_target, check_lowerable, pinned_variables, restrict_provider
 from tofu_tf.semantics.strategy import REPLICATED
 
 _MEMORY_LAMBDA = 1.0        # seconds per byte: memory dominates any communication time
@@ -71,8 +71,9 @@ def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | 
     ``mesh_shape`` fixes the mesh (dict name -> size, or a tuple of sizes).
     ``objective``: "time" (modeled step seconds: communication + compute), "comm"
     (communication only) or "memory" (peak bytes). ``target``: "dtensor" keeps
-    only what DTensor can lower (``tofu_tf.search.targets``); "ideal" searches
-    Tofu's whole space.
+    only what DTensor can lower (``tofu_tf.search.targets``) and raises
+    ``UnsupportedOpError`` for a graph with ops DTensor runs in no layout;
+    "ideal" searches Tofu's whole space.
     """
     with _collector_paused():
         return _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_shape, objective,
@@ -101,6 +102,7 @@ def _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_
     start = time.perf_counter()
     method, objective, hardware = Method(method), Objective(objective), profile(hardware)
     target = as_target(target)
+    check_lowerable(graph, target)
     budget = hardware.memory_bytes if memory_budget_bytes is None else int(memory_budget_bytes)
     provider = restrict_provider(strategy_provider or _default_provider(), target, graph)
     work = op_work_seconds(graph, hardware)

@@ -19,15 +19,46 @@ machines:
   layer or cell) stay replicated: a split kernel propagates into the unrolled
   input and DTensor's Unpack expander mis-shapes it.
 
+Some of DTensor's expanders are broken for every layout, so no plan can route
+around them; ``check_lowerable`` refuses such a graph before its first step,
+naming the op, its Keras layer and what to write instead. Each entry has a
+minimal DTensor reproducer in ``tests/test_dtensor_expanders.py``:
+
+* ``StridedSlice`` with a new axis before axes its spec leaves implicit
+  (``t[None]``, ``t[:, None]`` on a matrix, ``t[None, ...]``): DTensor's forward
+  layout inference reads the layout of an implicit axis at its output position,
+  not its input position. After a new axis that is another dim's layout (one
+  mesh axis can land on two dims), or past the end of the input's layout: an
+  out-of-bounds read, a segfault or an error whose text is garbage bytes, in
+  every layout, replicated included. Spelling every axis (``t[None, :, :]``)
+  or ``tf.expand_dims`` lowers correctly. TofuStrategy's variables spell the
+  axes themselves (``tofu_tf.tf.variables``), so a position table written
+  ``x + table[None]`` trains; a tensor sliced so is refused.
+* ops with no layout propagation at all (``NO_LAYOUT_PROPAGATION``: the linear
+  algebra of ``tf.linalg.svd``, ``det``, ``inv``, ``eigh``, ``solve``, the
+  matrix band/diagonal ops, ``cumprod``, ``bincount`` and Python functions,
+  ``tf.py_function`` and ``tf.numpy_function``): DTensor refuses them even
+  replicated.
+
+Either is refused only when it computes on the step's data: DTensor folds an op
+on constants (a causal mask's ``band_part``) before it expands anything.
+
+Not a plan matter, and handled where it arises: DTensor cannot relayout a
+tensor whose size depends on the data (splitting one leaves each shard with no
+rows; gathering one aborts the process). An Embedding's deduplicated sparse
+gradient is such a tensor; ``TofuVariable.sparse_read`` lays its gradient out
+like the table before the rows are deduplicated, so none is needed.
+
 The search applies a target as a wrapper around the strategy provider plus a
 set of variables pinned to replication; it imports no TensorFlow.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from tofu_tf import ir
 from tofu_tf.semantics.strategy import OpStrategy
@@ -45,6 +76,47 @@ _RECURRENT_LAYER = re.compile(r"(^|[^a-z])(lstm|gru)", re.IGNORECASE)
 class Target(enum.Enum):
     DTENSOR = "dtensor"
     IDEAL = "ideal"
+
+
+# Op types TF 2.21's DTensor has no layout propagation for ("... op does not
+# implement layout propagation"), each checked with a one-op DTensor program on
+# a replicated input.
+NO_LAYOUT_PROPAGATION = frozenset({
+    "Svd", "MatrixDeterminant", "LogMatrixDeterminant", "MatrixInverse", "SelfAdjointEigV2",
+    "MatrixSolve", "MatrixTriangularSolve", "MatrixBandPart", "MatrixDiagPartV3", "MatrixDiagV3",
+    "MatrixSetDiagV3", "Cumprod", "DenseBincount", "EagerPyFunc", "PyFunc", "PyFuncStateless"})
+_PYTHON_FUNCTIONS = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})
+# What a user wrote to get each op (its forward or its gradient).
+_WRITTEN_AS = {
+    "Svd": "tf.linalg.svd", "MatrixDeterminant": "tf.linalg.det", "LogMatrixDeterminant": "tf.linalg.slogdet",
+    "MatrixInverse": "tf.linalg.inv", "SelfAdjointEigV2": "tf.linalg.eigh", "MatrixSolve": "tf.linalg.solve",
+    "MatrixTriangularSolve": "tf.linalg.triangular_solve", "MatrixBandPart": "tf.linalg.band_part",
+    "MatrixDiagPartV3": "tf.linalg.diag_part", "MatrixDiagV3": "tf.linalg.diag",
+    "MatrixSetDiagV3": "tf.linalg.set_diag", "Cumprod": "tf.math.cumprod", "DenseBincount": "tf.math.bincount",
+    "EagerPyFunc": "tf.py_function", "PyFunc": "tf.numpy_function", "PyFuncStateless": "tf.numpy_function",
+    "StridedSlice": "t[...]"}
+# Ops whose value is not known before the step even when their inputs are.
+_UNFOLDED = re.compile(r"Random|Placeholder|VarHandle|ReadVariable|Variable")
+
+
+class UnsupportedOpError(ValueError):
+    """The training step holds ops the target cannot run in any layout."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Unlowerable:
+    """An op the target cannot run in any layout, and what to write instead."""
+
+    op: str
+    type: str
+    layer: str | None
+    reason: str
+    remedy: str
+
+    def text(self) -> str:
+        layer = f"Keras layer {self.layer!r}" if self.layer else "no Keras layer"
+        written = f", from {_WRITTEN_AS[self.type]} or its gradient" if self.type in _WRITTEN_AS else ""
+        return f"{self.type} {self.op!r} ({layer}{written}): {self.reason}; {self.remedy}"
 
 
 def restrict_provider(provider, target: Target, graph: ir.Graph):
@@ -105,6 +177,96 @@ def dtensor_lowerable(op: ir.Op, graph: ir.Graph, strategy: OpStrategy, *, has_c
         if any(s.dim == axis for s in stacked):
             return False
     return True
+
+
+def unlowerable_ops(graph: ir.Graph, target: Target) -> tuple[Unlowerable, ...]:
+    """The ops of ``graph`` that ``target`` cannot run in any layout, one per op
+    type and Keras layer (the list in this module's docstring)."""
+    if target is Target.IDEAL:
+        return ()
+    found: dict[tuple[str, str | None], Unlowerable] = {}
+    for op in _unlowerable(graph):
+        found.setdefault((op.type, op.layer), op)
+    return tuple(found.values())
+
+
+def check_lowerable(graph: ir.Graph, target: Target) -> None:
+    """Raise ``UnsupportedOpError`` naming every op ``target`` cannot run, before any step does."""
+    found = unlowerable_ops(graph, target)
+    if found:
+        lines = "\n".join(f"  * {u.text()}" for u in found)
+        raise UnsupportedOpError(
+            f"TF's DTensor cannot run {len(found)} op(s) of this training step in any layout, so no plan "
+            f"can shard it:\n{lines}\nRewrite those ops as suggested, or train this model without "
+            "TofuStrategy.")
+
+
+def _unlowerable(graph: ir.Graph) -> Iterator[Unlowerable]:
+    known = _known_before_the_step(graph)
+    for op in graph.ops:
+        if op.body is not None:
+            yield from _unlowerable(op.body)
+        if all(t in known for t in op.inputs):
+            continue  # folded before DTensor expands anything
+        if op.type in NO_LAYOUT_PROPAGATION:
+            yield Unlowerable(op.name, op.type, op.layer, "DTensor has no layout propagation for it, "
+                              "not even replicated", _remedy(op.type))
+        elif op.type == "StridedSlice" and _new_axis_shifts_implicit_axes(graph, op):
+            yield Unlowerable(op.name, op.type, op.layer, "a new axis before axes the slice leaves implicit "
+                              "(t[None] or t[:, None] on a matrix) crashes DTensor's StridedSlice expander "
+                              "in every layout", "spell every axis (t[None, :, :]) or use tf.expand_dims")
+
+
+def _remedy(op_type: str) -> str:
+    if op_type in _PYTHON_FUNCTIONS:
+        return ("write the layer with TensorFlow ops: a Python function runs outside the graph DTensor "
+                "expands (and its gradient has no static shape)")
+    return ("compute it outside the training step (in a callback) or with ops DTensor expands "
+            "(matmul, Qr, Cholesky, elementwise ops)")
+
+
+def _known_before_the_step(graph: ir.Graph) -> set[str]:
+    """Tensors whose value is fixed before the step runs: constants and what pure
+    ops compute from constants alone (DTensor folds them before expanding)."""
+    known = {name for name, t in graph.tensors.items() if t.const_value is not None and not t.producer}
+    for op in graph.ops:
+        foldable = op.type == "Const" or (op.inputs and not _UNFOLDED.search(op.type)
+                                           and all(t in known for t in op.inputs))
+        if foldable:
+            known.update(op.outputs)
+    return known
+
+
+def _new_axis_shifts_implicit_axes(graph: ir.Graph, op: ir.Op) -> bool:
+    """Whether a StridedSlice leaves an input axis implicit (under an ellipsis or
+    after the spec's end) after more new axes than shrunk ones: the axes where
+    DTensor's forward layout inference (TF 2.21) reads the input's layout at the
+    output position instead of the input position."""
+    new = int(op.attrs.get("new_axis_mask", 0) or 0)
+    rank = _rank(graph, op.inputs[0]) if op.inputs else None
+    spec = graph.tensors.get(op.inputs[1]) if len(op.inputs) > 1 else None
+    if not new or rank is None or spec is None or len(spec.shape) != 1:
+        return bool(new)  # unknown spec or rank: assume the worst
+    shrink = int(op.attrs.get("shrink_axis_mask", 0) or 0)
+    ellipsis = int(op.attrs.get("ellipsis_mask", 0) or 0)
+    tokens = spec.shape[0]
+    bits = [1 << i for i in range(tokens)]
+    named = sum(1 for b in bits if not b & new and (b & shrink or not b & ellipsis))
+    shift, consumed, has_ellipsis = 0, 0, False
+    for bit in bits:
+        if bit & new:
+            shift += 1
+        elif bit & shrink:
+            shift -= 1
+            consumed += 1
+        elif bit & ellipsis:
+            has_ellipsis = True
+            if rank - named > 0 and shift > 0:
+                return True
+            consumed += rank - named
+        else:
+            consumed += 1
+    return not has_ellipsis and rank > consumed and shift > 0
 
 
 def pinned_variables(graph: ir.Graph, target: Target) -> frozenset[str]:
@@ -180,4 +342,6 @@ def as_target(value: "Target | str") -> Target:
                          "or 'ideal' (every strategy Tofu derives)") from None
 
 
-__all__: Sequence[str] = ("Target", "restrict_provider", "dtensor_lowerable", "pinned_variables", "as_target")
+__all__: Sequence[str] = ("Target", "restrict_provider", "dtensor_lowerable", "pinned_variables", "as_target",
+                          "NO_LAYOUT_PROPAGATION", "UnsupportedOpError", "Unlowerable", "unlowerable_ops",
+                          "check_lowerable")

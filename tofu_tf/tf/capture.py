@@ -53,6 +53,13 @@ _SKIPPED_ATTRS = frozenset({"_class", "_read_only_resource_inputs", "_has_manual
 
 DynamicShapeError = keras_adapter.DynamicShapeError
 
+_PY_FUNCTIONS = ("EagerPyFunc", "PyFunc", "PyFuncStateless")
+_PY_FUNCTION_HINT = (
+    "It comes from tf.py_function / tf.numpy_function: TensorFlow cannot see inside a Python function, "
+    "so the shape of its result (and of its gradient, another Python function) is unknown, and DTensor "
+    "cannot run a Python function in any layout either. Write the layer with TensorFlow ops.")
+
+
 @dataclasses.dataclass(frozen=True)
 class _TraceResult:
     """What tracing produced, before translation: the graph and the Python-side
@@ -520,6 +527,7 @@ def _check_static_shapes(graph: ir.Graph) -> None:
             raise DynamicShapeError(
                 f"tensor {tensor.name!r} (from op {op.type if op else '?'} in layer "
                 f"{op.layer if op else None!r}) has shape {tensor.shape} with an unknown dimension. "
-                "tofu_tf plans static shapes: give the model a fixed input shape "
-                "(keras.Input(shape=...)) and pass batch_size, and avoid ops whose output size "
-                "depends on data.")
+                + (_PY_FUNCTION_HINT if op is not None and op.type in _PY_FUNCTIONS else
+                   "tofu_tf plans static shapes: give the model a fixed input shape "
+                   "(keras.Input(shape=...)) and pass batch_size, and avoid ops whose output size "
+                   "depends on data."))

@@ -40,6 +40,9 @@ from tofu_tf.tf import keras_adapter
 class TofuVariable(d_variable.DVariable):
     """A DTensor variable whose in-graph reads see its in-graph writes."""
 
+    def __getitem__(self, spec):
+        return super().__getitem__(spelled_out(spec, self.shape.rank))
+
     def _written_values(self) -> weakref.WeakKeyDictionary:
         written = self.__dict__.get("_tofu_written")
         if written is None:
@@ -86,6 +89,27 @@ class TofuVariable(d_variable.DVariable):
     def _densify(self, sparse_delta):
         return tf.math.unsorted_segment_sum(sparse_delta.values, sparse_delta.indices, self.shape[0])
 
+    def sparse_read(self, indices, name=None):
+        """A gather of rows (an Embedding's lookup) whose gradient arrives laid out
+        like this variable's rows: unsplit over the gathered positions, its
+        feature dims split as this variable's.
+
+        Keras sums duplicate rows of the sparse gradient into a tensor whose row
+        count depends on the data, and DTensor cannot relayout such a tensor:
+        splitting one of its dims leaves every shard with zero rows, gathering one
+        aborts the process. Left to itself, DTensor's layout propagation asks for
+        that relayout whenever the gradient reaching the lookup is not split like
+        the variable it updates (a replicated head after a feature-split
+        embedding). Laying the gradient out before the rows are deduplicated keeps
+        every later tensor in the variable's layout."""
+        value = super().sparse_read(indices, name=name)
+        if value.shape.rank is None:
+            return value
+        positions = value.shape.rank - (self.shape.rank - 1)
+        rows = dtensor.Layout([dtensor.UNSHARDED] * positions + list(self.layout.sharding_specs[1:]),
+                              self.layout.mesh)
+        return _gradient_relaid(value, rows)
+
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
         if tf.executing_eagerly():
             return super().assign_add(delta, use_locking, name, read_value)
@@ -95,6 +119,41 @@ class TofuVariable(d_variable.DVariable):
         if tf.executing_eagerly():
             return super().assign_sub(delta, use_locking, name, read_value)
         return self._write(self._read_variable_op() - delta, use_locking, name, read_value)
+
+
+def spelled_out(spec, rank: int | None):
+    """A slice spec with a new axis (``None``) made to name every axis: the
+    ellipsis and the axes after the spec's end become ``:``. ``table[None]`` and
+    ``table[None, :, :]`` are the same slice, but TF 2.21's DTensor crashes on the
+    first in every layout (``tofu_tf.search.targets`` lists why). Any other spec is
+    returned as it is."""
+    items = tuple(spec) if isinstance(spec, (tuple, list)) else (spec,)
+    if rank is None or not any(item is None for item in items) or not all(map(_basic_index, items)):
+        return spec
+    missing = rank - sum(1 for item in items if item is not None and item is not Ellipsis)
+    if missing < 0:
+        return spec  # too many indices: TF says so
+    full = (slice(None),) * missing
+    at = next((i for i, item in enumerate(items) if item is Ellipsis), None)
+    return items + full if at is None else items[:at] + full + items[at + 1:]
+
+
+def _basic_index(item) -> bool:
+    if item is None or item is Ellipsis or isinstance(item, slice):
+        return True
+    if isinstance(item, (bool, np.bool_)):
+        return False
+    if isinstance(item, (int, np.integer)):
+        return True
+    return isinstance(item, tf.Tensor) and item.shape.rank == 0 and item.dtype.is_integer
+
+
+def _gradient_relaid(value, layout: dtensor.Layout):
+    """``value`` unchanged; its gradient relaid to ``layout``."""
+    @tf.custom_gradient
+    def identity(x):
+        return tf.identity(x), lambda dy: dtensor.relayout(tf.convert_to_tensor(dy), layout)
+    return identity(value)
 
 
 def gather_to_host(value, layout: dtensor.Layout) -> np.ndarray:
@@ -195,6 +254,9 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
 
     def numpy(self):
         return self._host_value().copy()
+
+    def __getitem__(self, spec):
+        return super().__getitem__(spelled_out(spec, self.shape.rank))
 
     def _read_variable_op(self, no_copy=False):
         if not tf.executing_eagerly():
