@@ -174,7 +174,10 @@ def test_dtensor_cannot_split_a_tensor_whose_size_depends_on_the_data():
     out = _run(_DATA_SIZED)
     assert "source split like the result ran" in out.stdout, _tail(out)
     assert out.returncode != 0 and "source replicated ran" not in out.stdout, _tail(out)
-    assert "does not start with segment_ids.shape" in out.stderr, _tail(out)
+    # The kernel's error, or, when DTensor's async executor reports it at the next read
+    # of the result, that read's cancellation.
+    assert ("does not start with segment_ids.shape" in out.stderr
+            or "Function was cancelled before it was started" in out.stderr), _tail(out)
 
 
 # -- ops without layout propagation ----------------------------------------------
