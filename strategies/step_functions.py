@@ -24,6 +24,7 @@ import itertools
 
 import tensorflow as tf
 from absl import logging
+from tensorflow.dtensor.python import d_variable
 from tensorflow.experimental import dtensor
 
 from strategies import batches as batches_lib
@@ -59,6 +60,7 @@ def _maker(model, kind: str, keras3: bool, placer_of):
         else:
             function = _iterator_function(model, steps, keras3, gather=kind == "predict")
         function._tofu = True  # pylint: disable=protected-access
+        function._tofu_steps = steps  # pylint: disable=protected-access
         setattr(model, attribute, function)
         return function
     return make_function
@@ -79,18 +81,67 @@ class SignatureSteps:
         if tf.executing_eagerly():
             data = batches_lib.place_batch(self._placer_of(), data)
         key = _signature(data)
-        function = self._functions.get(key)
-        if function is None:
+        program = self._functions.get(key)
+        if program is None:
             if self._functions:
                 logging.info("TofuStrategy: %s %s step for a new input signature %s (signature %d; traced once, "
                              "weights keep their planned layouts)", self._model_name, self._kind,
                              _describe(data), len(self._functions) + 1)
-            function = self._functions[key] = self._body if self._eager else tf.function(self._body)
-        return function(data)
+            program = self._functions[key] = (self._body if self._eager or not tf.executing_eagerly()
+                                               else _Program(self._body, data))
+        return program(data)
 
     @property
-    def signatures(self) -> int:
-        return len(self._functions)
+    def programs(self) -> list:
+        """The compiled programs, one per input signature seen (in order)."""
+        return list(self._functions.values())
+
+
+# DTensor compiles a fully replicated int32/int64/float32 input with fewer elements than
+# this into the program as a constant (tensorflow/dtensor/cc/small_constant_optimization.cc),
+# and compiles the program again when the next call brings another value.
+SMALL_CONSTANT_ELEMENTS = 64
+_FOLDED_DTYPES = frozenset({"int32", "int64", "float32"})
+
+
+def folded_by_dtensor(value) -> bool:
+    """Whether DTensor would compile ``value``, passed to a function, in as a constant."""
+    return (tf.is_tensor(value) and dtensor.is_dtensor(value) and value.dtype.name in _FOLDED_DTYPES
+            and value.shape.num_elements() < SMALL_CONSTANT_ELEMENTS
+            and dtensor.fetch_layout(value).is_fully_replicated())
+
+
+class _Program:
+    """A step's ``tf.function`` for one input signature, with the inputs DTensor would fold
+    in as constants passed through variables instead.
+
+    A classifier's labels are one int per sample: a batch of 8 replicated labels is such
+    an input, so the second step, with other labels, compiled the whole step again
+    (seconds). Each such input is written into a variable of its shape before the call
+    and read inside the step; the write is a one-op program, and the step is compiled
+    once. The variables hold what the inputs held, laid out the same."""
+
+    def __init__(self, body, data):
+        leaves = tf.nest.flatten(data)
+        self._structure = data
+        self._holders = {i: d_variable.DVariable(leaf, trainable=False, name="tofu_step_input")
+                         for i, leaf in enumerate(leaves) if folded_by_dtensor(leaf)}
+
+        def run(passed):
+            inputs = [self._holders[i].read_value() if i in self._holders else leaf for i, leaf in enumerate(passed)]
+            return body(tf.nest.pack_sequence_as(self._structure, inputs))
+        self._function = tf.function(run)
+
+    @property
+    def held_inputs(self) -> int:
+        """How many inputs reach the step through a variable."""
+        return len(self._holders)
+
+    def __call__(self, data):
+        leaves = tf.nest.flatten(data)
+        for index, holder in self._holders.items():
+            holder.assign(leaves[index])
+        return self._function([None if i in self._holders else leaf for i, leaf in enumerate(leaves)])
 
 
 def _signature(data):
