@@ -34,19 +34,26 @@ def find_model(step_fn):
 
 
 def find_model_in_stack(max_frames: int = 12):
-    """The Keras model whose fit/evaluate/predict is distributing a dataset.
+    """The Keras model whose fit/evaluate/predict is distributing a dataset, or None.
 
     tf-keras distributes the dataset (``strategy.experimental_distribute_dataset``)
     before it builds the step function, from its DataHandler, which holds the
-    model in a local variable; the plan must exist by then because the
-    distributed dataset is laid out on the planned mesh.
+    model in a local variable; Keras 3 from its epoch iterator, inside ``fit``. The
+    plan must exist by then because the batches are laid out on the planned mesh.
+    Only Keras' own frames count: a model in the user's script (a custom training
+    loop distributing its dataset) says nothing about what the loop trains.
     """
     for frame in _calling_frames(max_frames):
+        if not str(frame.f_globals.get("__name__", "")).startswith(_KERAS_MODULES):
+            continue
         for name in ("model", "self"):
             candidate = frame.f_locals.get(name)
             if candidate is not None and _is_model(candidate):
                 return candidate
     return None
+
+
+_KERAS_MODULES = ("tf_keras.", "keras.", "keras_hub.")
 
 
 def _calling_frames(max_frames: int):

@@ -112,7 +112,27 @@ class TofuStrategy(distribute_lib.Strategy):
         return self.plan
 
     def reduce(self, reduce_op, value, axis):
-        return dtensor_util.dtensor_reduce(self, reduce_op, value, axis)
+        """``reduce`` in DTensor's global view, in and out of ``tf.function``.
+
+        A step runs once over the whole batch (one replica), so a value ``run``
+        returns is already the global one: reducing across replicas leaves it as it
+        is, and ``axis`` reduces it along that dim (the batch, for per-sample values),
+        as MirroredStrategy's sum or mean over its replicas' slices would. TF's
+        DTensor reduce reads layouts, which only works eagerly.
+        """
+        if isinstance(reduce_op, str):
+            reduce_op = tf.distribute.ReduceOp(reduce_op.upper())
+        value = tf.nest.map_structure(_global_value, value)
+        if axis is None:
+            return value
+        reduce = tf.reduce_mean if reduce_op == tf.distribute.ReduceOp.MEAN else tf.reduce_sum
+        return tf.nest.map_structure(lambda v: reduce(v, axis=axis), value)
+
+    def gather(self, value, axis):
+        """The global value: with one replica over the whole batch, the concatenation of
+        the replicas' values along ``axis`` is the value itself."""
+        del axis
+        return tf.nest.map_structure(_global_value, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,8 +361,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
     def _plan_for_dataset(self, model, dataset) -> None:
         if model is None:
             raise PlanningError(
-                "TofuStrategy must plan a model before distributing a dataset, and none is being "
-                "trained here. Call strategy.plan_model(model, batch_size=...) first.")
+                "TofuStrategy lays batches out on the planned mesh, and no model is planned yet: outside "
+                "fit/evaluate/predict (a custom training loop) plan the model the loop trains first, "
+                "strategy.plan_model(model, batch_size=<global batch size>, loss=<the loop's loss>, "
+                "optimizer=<the loop's optimizer>), then distribute the dataset.")
         spec = _first_batch_spec(dataset)
         self._plan_from_specs(model, keras_hooks.split_step_data((spec,)))
 
@@ -360,10 +382,12 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         return tf.nest.map_structure(_as_distributed_value, result)
 
     def _plan_from_step(self, model, args) -> None:
-        if model is None:
+        if model is None or keras_hooks.compiled_loss(model) is None:
             raise PlanningError(
-                "TofuStrategy.run was called before a plan exists and the step function does not "
-                "close over a Keras model. Call strategy.plan_model(model, batch_size=...) first.")
+                "TofuStrategy.run was called before a plan exists, and the plan needs the model, loss and "
+                "optimizer the step trains: call strategy.plan_model(model, batch_size=<global batch size>, "
+                "loss=<the step's loss>, optimizer=<the step's optimizer>) before the first run "
+                "(fit/evaluate/predict plan a compiled model themselves).")
         self._plan_from_specs(model, keras_hooks.split_step_data(tf.nest.map_structure(_spec_of, args)))
 
     def _plan_from_specs(self, model, step: keras_hooks.StepInputs) -> None:
@@ -386,6 +410,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         return value
+
+    def _local_results(self, value):
+        """One local result: the global value (one replica runs over the whole batch)."""
+        return (_global_value(value),)
 
 
 def _spec_of(value):
@@ -467,6 +495,11 @@ def _cross_replica(strategy):
         yield
     finally:
         distribute_lib._pop_per_thread_mode()  # pylint: disable=protected-access
+
+
+def _global_value(value):
+    """The one global tensor behind a value ``run`` returned."""
+    return value.get_dtensor() if isinstance(value, dtensor_util.DTensorDistributedValue) else value
 
 
 def _as_distributed_value(value):
