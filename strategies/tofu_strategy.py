@@ -111,6 +111,15 @@ class TofuStrategy(distribute_lib.Strategy):
                                features=features)
         return self.plan
 
+    def check_numerics(self, model, x, y, *, steps: int = 1, batch_size: int | None = None,
+                       max_host_bytes: int | None = None, clone=None):
+        """Train ``steps`` batches sharded and on one device (the host CPU) from the model's
+        current state, compare the weights, and restore the sharded model: a
+        ``strategies.numerics.NumericsReport`` (``print(report.summary())``)."""
+        from strategies import numerics
+        return numerics.check_numerics(self, model, x, y, steps=steps, batch_size=batch_size,
+                                       max_host_bytes=max_host_bytes, clone=clone)
+
     def reduce(self, reduce_op, value, axis):
         """``reduce`` in DTensor's global view, in and out of ``tf.function``.
 

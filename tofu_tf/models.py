@@ -124,9 +124,13 @@ def _PositionEmbedding(keras):
     """A learned position embedding added to the token embedding (one class per Keras module)."""
 
     class PositionEmbedding(keras.layers.Layer):
-        def __init__(self, seq_len, d_model, **kwargs):
-            super().__init__(name="position_embedding", **kwargs)
+        def __init__(self, seq_len, d_model, name="position_embedding", **kwargs):
+            super().__init__(name=name, **kwargs)
             self.seq_len, self.d_model = seq_len, d_model
+
+        def get_config(self):
+            # Rebuilt from its config by clone_model (the numerics check's one-device copy).
+            return {**super().get_config(), "seq_len": self.seq_len, "d_model": self.d_model}
 
         def build(self, input_shape):
             self.positions = self.add_weight(name="positions", shape=(self.seq_len, self.d_model),

@@ -579,3 +579,16 @@ def ensure_tf_keras_seeded() -> int | None:
     seed = int(np.random.randint(0, 2**31 - 1))
     tf_keras.utils.set_random_seed(seed)
     return seed
+
+
+def optimizer_built(optimizer) -> bool:
+    """Whether ``optimizer`` has made its slots (Keras 3 ``built``, tf-keras ``_built``)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return bool(getattr(inner, "built", False) or getattr(inner, "_built", False))
+
+
+def step_counters(model) -> list[tf.Variable]:
+    """The model's own step counters, which each train step advances besides the
+    optimizer's: tf-keras keeps one (``_train_counter``), Keras 3 none."""
+    counter = getattr(model, "_train_counter", None)  # pylint: disable=protected-access
+    return [counter] if isinstance(counter, tf.Variable) else []
