@@ -17,6 +17,8 @@ import types
 
 import tensorflow as tf
 
+from strategies import export as export_lib
+
 _MAX_DEPTH = 4
 
 
@@ -143,7 +145,9 @@ def prepare_for_dtensor(model) -> list[Transformation]:
       refuses; ``step_seeded_dropout`` draws them statelessly, seeded by the
       optimizer's step count (a compiled model's).
     Sparse (Embedding) gradients are densified in the variables instead
-    (``tofu_tf.tf.variables.TofuVariable.scatter_add``).
+    (``tofu_tf.tf.variables.TofuVariable.scatter_add``). And the model's SavedModel
+    exports are made from a one-device copy (``strategies.export``): one traced on
+    the mesh holds DTensor ops no one-device runtime can run.
     """
     changes = []
     step = getattr(getattr(model, "optimizer", None), "iterations", None)
@@ -172,6 +176,10 @@ def prepare_for_dtensor(model) -> list[Transformation]:
             layer._random_generator = step_seeded_dropout(generator, step)  # pylint: disable=protected-access
             changes.append(Transformation(path, "stateless dropout seeded per step",
                                           "DTensor refuses stateful random ops (RandomUniform)"))
+    if export_lib.install(model):
+        changes.append(Transformation(model.name, "SavedModel export from a one-device copy",
+                                      "a SavedModel traced on the mesh holds Relayout ops and DTensor variables, "
+                                      "which one device and TF Serving cannot run"))
     return changes
 
 
@@ -354,9 +362,29 @@ def _unroll(layer, timesteps) -> None:
         raise ValueError(
             f"recurrent layer {layer.name!r} has no static sequence length, so TofuStrategy cannot "
             "unroll it for DTensor. Give the model a fixed input shape, e.g. keras.Input((timesteps, features)).")
+    _config_reports_user_value(layer, "unroll", layer.unroll)
     layer.unroll = True
     if hasattr(layer, "_could_use_gpu_kernel"):
         layer._could_use_gpu_kernel = False  # pylint: disable=protected-access
+
+
+def _config_reports_user_value(layer, key: str, value) -> None:
+    """Keep ``layer.get_config()[key]`` at the user's ``value`` after the strategy changes it.
+
+    A rewrite for DTensor (an RNN's ``unroll``) is how the strategy runs the layer, not
+    what the user built: a saved model (a ``.keras`` file, a SavedModel's metadata, the
+    one-device copy ``strategies.export`` rebuilds from the config) must say what one
+    device would, or a model loaded from it would run differently (an unrolled loop
+    takes only its static sequence length).
+    """
+    get_config = layer.get_config
+
+    def user_config():
+        config = get_config()
+        if key in config:
+            config[key] = value
+        return config
+    layer.get_config = user_config
 
 
 def _timesteps(layer) -> int | None:

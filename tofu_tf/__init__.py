@@ -19,6 +19,8 @@ _LAZY = {
     "plan_graph": ("tofu_tf.search", "plan_graph"),
     "UnsupportedOpError": ("tofu_tf.search", "UnsupportedOpError"),
     "Plan": ("tofu_tf.plan", "Plan"),
+    "one_device_copy": ("strategies.export", "one_device_copy"),
+    "DTensorExportError": ("tofu_tf.tf.variables", "DTensorExportError"),
 }
 
 

@@ -120,6 +120,13 @@ class TofuVariable(d_variable.DVariable):
             return super().assign_sub(delta, use_locking, name, read_value)
         return self._write(self._read_variable_op() - delta, use_locking, name, read_value)
 
+    def _export_to_saved_model_graph(self, object_map, tensor_map, options, **kwargs):
+        """Refuse to enter a SavedModel: a DTensor resource (and the ``Relayout`` ops of the
+        functions that read it) cannot run in a one-device runtime or TF Serving. A model's
+        own exports go through a one-device copy (``strategies.export``); reaching here means
+        something else tracked this variable directly."""
+        raise DTensorExportError.for_variable(_base_name(self.name))
+
 
 def spelled_out(spec, rank: int | None):
     """A slice spec with a new axis (``None``) made to name every axis: the
@@ -300,6 +307,18 @@ class DeferredVariableError(RuntimeError):
             f"variable {name!r} has no value yet: TofuStrategy creates variables once the model "
             "is planned, at the first fit/evaluate/predict call or at strategy.plan_model(model, ...). "
             "Call one of those before reading weights.")
+
+
+class DTensorExportError(RuntimeError):
+    """A SavedModel export of a TofuStrategy model that cannot be made as one device would make it."""
+
+    @classmethod
+    def for_variable(cls, name: str) -> "DTensorExportError":
+        return cls(
+            f"variable {name!r} lives on TofuStrategy's DTensor mesh, and a SavedModel holding it (with the "
+            "Relayout ops of the functions reading it) would not run on one device or in TF Serving. Export the "
+            "model itself (model.save(dir), tf.saved_model.save(model, dir), model.export(dir) save a one-device "
+            "copy of it), or build tofu_tf.one_device_copy(model) and trace your signatures or archive on that.")
 
 
 def materialize(variable: DeferredVariable, layout: dtensor.Layout, *, drawn_value=None) -> TofuVariable:
