@@ -22,6 +22,8 @@ flags.DEFINE_enum("compare", None, ["data_parallel"], "Also train with this meth
 flags.DEFINE_enum("method", "tofu", ["tofu", "ilp", "data_parallel", "megatron"], "Planner.")
 flags.DEFINE_string("optimizer", "adam", "Keras optimizer name.")
 flags.DEFINE_integer("seed", 0, "Seed for the initial weights (the same for every method compared).")
+flags.DEFINE_bool("check_numerics", False, "After training, run one more step sharded and on one device "
+                  "(strategy.check_numerics) and print the per-variable differences; the run is unchanged.")
 FLAGS = flags.FLAGS
 
 
@@ -78,6 +80,8 @@ def _train_once(build_model, loss, method, initial):
         start += time.perf_counter() - moved  # the report times planning and training only
     history = model.fit(x, y, batch_size=FLAGS.batch_size, epochs=1, verbose=2, shuffle=False)
     seconds = time.perf_counter() - start  # the strategy logged its plan when training started
+    if FLAGS.check_numerics:
+        print(strategy.check_numerics(model, x[:FLAGS.batch_size], y[:FLAGS.batch_size]).summary())
     return _row(method, strategy, model, seconds, history.history["loss"][-1]), initial
 
 

@@ -1,0 +1,121 @@
+"""keras-hub models, called as keras-hub's docs call them, train, evaluate and predict
+under TofuStrategy as on one device, with weights sharded.
+
+Before, every one failed before its first step: dict inputs (capture called the
+model with a flat list), ``keras.Input(shape=(None,))`` (planned from the
+declared shape: DynamicShapeError), the task models' own ``.batch(b)`` pipelines
+(no static batch size), ``predict`` on a sharded vocabulary head (DTensor cannot
+copy a sharded tensor off the mesh), T5's two variables at one Keras path
+(KeyError). The models are small (width 64); most of their cheapest plans on 8
+virtual CPUs split weights. Where the cheapest plan keeps every weight whole, the
+model runs under a memory budget of half that plan's peak, as a user whose model
+does not fit would, so that weights shard.
+
+Optimizer: SGD with momentum. A sharded reduction rounds differently from one
+device's (fp32, about 1e-7 relative); SGD carries such a difference along at its
+size, where Adam would turn a near-zero gradient's rounding into a full
+learning-rate step. Losses are compared at 1e-5 relative, weights at 1e-5
+absolute (their updates are about 1e-2), logits at 1e-4 (two layers of
+differently ordered sums over values of order 1-10).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from strategies import TofuStrategy
+from tofu_tf import hub_models
+from tofu_tf.search import plan_graph
+from tofu_tf.tf.capture import capture_training_step
+
+BATCH = 8
+TRAIN, PREDICT, EVALUATE = 24, 13, 20          # 3 steps; then batches of 5 and 4 left over
+WIDTH = 64
+# T5's cheapest plan at this width (SGD) replicates everything: it runs under half that plan's peak.
+UNDER_BUDGET = frozenset({"t5"})
+# Gemma's cheapest plan replicates everything too, and under a budget its plan fails in DTensor's
+# reduction expander ("EmitAllScatter was passed a desired_layout ... not more sharded"): the
+# gradient of a norm scale summed from feature-split activations into a replicated weight.
+NOT_YET_SHARDED = {"gemma": "its plans either replicate every weight or fail in DTensor's reduction expander"}
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _compile(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=_loss())
+
+
+def _spec(value):
+    return tf.TensorSpec(value.shape, tf.as_dtype(value.dtype))
+
+
+def _half_the_unconstrained_peak(model, x, y) -> int:
+    first = tf.nest.map_structure(lambda a: _spec(a[:BATCH]), x)
+    graph = capture_training_step(model, batch_size=BATCH, loss=_loss(), optimizer="sgd", features=first,
+                                  labels=_spec(y[:BATCH]))
+    return plan_graph(graph, num_devices=8, hardware="cpu-virtual").peak_memory_bytes // 2
+
+
+@pytest.fixture(scope="module", params=sorted(hub_models.FAMILIES))
+def run(request):
+    """One family trained, evaluated and predicted on one device and under TofuStrategy(8)."""
+    family = hub_models.FAMILIES[request.param]
+    x, y = hub_models.data(family, TRAIN)
+    x_eval, y_eval = hub_models.data(family, EVALUATE, seed=1)
+    x_predict, _ = hub_models.data(family, PREDICT, seed=2)
+    keras.utils.set_random_seed(3)
+    reference = family.build(WIDTH)
+    initial = reference.get_weights()
+    budget = _half_the_unconstrained_peak(reference, x, y) if family.name in UNDER_BUDGET else None
+    _compile(reference)
+    outcome = {"family": family, "reference": reference,
+               "expected": reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"],
+               "expected_eval": reference.evaluate(x_eval, y_eval, batch_size=BATCH, verbose=0),
+               "expected_predict": reference.predict(x_predict, batch_size=BATCH, verbose=0)}
+    strategy = TofuStrategy(8, memory_budget_bytes=budget)
+    with strategy.scope():
+        model = family.build(WIDTH)
+        model.set_weights(initial)
+        _compile(model)
+    outcome.update(strategy=strategy, model=model,
+                   loss=model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"],
+                   eval=model.evaluate(x_eval, y_eval, batch_size=BATCH, verbose=0),
+                   predict=model.predict(x_predict, batch_size=BATCH, verbose=0))
+    return outcome
+
+
+def test_trains_three_steps_as_one_device(run):
+    np.testing.assert_allclose(run["loss"], run["expected"], rtol=1e-5)
+    for got, want in zip(run["model"].get_weights(), run["reference"].get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_evaluates_and_predicts_partial_batches_as_one_device(run):
+    np.testing.assert_allclose(run["eval"], run["expected_eval"], rtol=1e-5)
+    assert run["predict"].shape == run["expected_predict"].shape
+    np.testing.assert_allclose(run["predict"], run["expected_predict"], rtol=1e-4, atol=1e-4)
+
+
+def test_weights_are_sharded(run, request):
+    reason = NOT_YET_SHARDED.get(run["family"].name)
+    if reason:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+    sharded = [path for path, layout in run["strategy"].plan.variable_layouts.items()
+               if any(axis is not None for axis in layout)]
+    assert sharded, f"{run['family'].name}: the plan keeps every variable whole"
+    on_devices = [w for w in run["model"].weights if not w.value.layout.is_fully_replicated()]
+    assert on_devices, f"{run['family'].name}: no weight is sharded on the mesh"
+
+
+def test_every_variable_has_its_own_name_in_the_plan(run):
+    """T5's encoder and decoder each hold a relative-attention bias at the same Keras path."""
+    model, plan = run["model"], run["strategy"].plan
+    paths = [w.path for w in model.weights]
+    duplicated = {p for p in paths if paths.count(p) > 1}
+    for path in duplicated:
+        assert path in plan.variable_layouts and f"{path}#2" in plan.variable_layouts
+    if run["family"].name == "t5":
+        assert duplicated, "keras-hub's T5 no longer repeats a variable path; this check lost its case"
