@@ -48,6 +48,8 @@ from tensorflow.python.distribute.experimental import dtensor_util
 from strategies import batches as batches_lib
 from strategies import keras_hooks
 from strategies import step_functions
+from tofu_tf import plan as plan_lib
+from tofu_tf import plan_check
 from tofu_tf.tf import devices as devices_lib
 from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import lowering
@@ -72,12 +74,19 @@ class TofuStrategy(distribute_lib.Strategy):
         CPU virtual devices on CPU, H100 NVLink on GPUs.
       method: planner, ``"tofu"`` (default), ``"ilp"``, ``"data_parallel"``
         or ``"megatron"``.
-      plan: use this plan (a ``tofu_tf.Plan`` or anything with ``mesh_shape``,
-        ``variable_layouts`` and ``input_layouts``) instead of planning.
+      plan: use this plan instead of planning: a ``tofu_tf.Plan``, its JSON text, the
+        path of a JSON file holding it, its dict (``Plan.to_dict()``), or anything with
+        ``mesh_shape``, ``variable_layouts`` and ``input_layouts``. It is checked before any
+        device or variable is made (every problem named in one ``tofu_tf.PlanError``), each
+        variable against its layout as it is made, and its entries against the model's
+        variables at the first training step (``tofu_tf.plan_check``).
     """
 
     def __init__(self, num_gpus: int = 8, *, memory_budget_bytes: int | None = None,
                  mesh_shape=None, hardware=None, method: str = "tofu", plan=None):
+        if plan is not None:
+            plan = plan_lib.read_plan(plan)
+            plan_check.check_plan(plan, num_gpus)   # before devices: a wrong plan costs nothing
         device_set = devices_lib.provide_devices(num_gpus)
         options = _PlanOptions(memory_budget_bytes=memory_budget_bytes, mesh_shape=mesh_shape,
                                hardware=hardware or ("cpu-virtual" if device_set.device_type == "CPU" else "h100-nvlink"),
@@ -171,6 +180,11 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         # id of their variable, and how often each path shared by several planned variables was made.
         self._plan_names: dict[int, str] = {}
         self._twin_counts: dict[str, int] = {}
+        # Which plan entries the variables took: after the first training step, entries no
+        # variable took are reported (an error for a plan the user gave).
+        self._plan_given = plan is not None
+        self._ledger: plan_check.EntryLedger | None = None
+        self._entries_checked = False
         # Before a plan exists Keras still asks for a mesh; a 1-D batch mesh over
         # the same devices answers until the planned mesh replaces it.
         self._provisional = lowering.make_mesh({"batch": device_set.count}, device_set)
@@ -187,6 +201,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         return self._lowered.mesh if self._lowered is not None else self._provisional
 
     def _adopt(self, plan) -> None:
+        plan_check.check_plan(plan, self._devices.count)
+        self._ledger = plan_check.EntryLedger(plan.variable_layouts)
         inputs = list(getattr(plan, "input_layouts", {}).values())
         self._lowered = lowering.lower(plan.mesh_shape, plan.variable_layouts, inputs, self._devices)
         self._mesh = self._lowered.mesh
@@ -321,7 +337,31 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
     def _layout_of(self, variable) -> dtensor.Layout:
         path = self._plan_names.get(id(variable)) or self._twin_name(keras_path(variable))
         path = _plan_path(path, self._plan, variable.shape)
+        self._ledger.took(variable, path, variable.shape)
         return self._lowered.layout_for(path, variable.shape)
+
+    def _check_entries_taken(self, model) -> None:
+        """Once a step has made the model's variables: the plan's entries that split a tensor
+        and that no variable took. Such an entry was written for another name (a renamed layer,
+        another model, a wrong rank under a Keras 3 model prefix) and its variable runs
+        replicated: for a plan the user gave, an error before the step runs (it is raised while
+        the step is traced); for the planner's own, a warning (a naming bug of tofu_tf's, which
+        should not stop training). Waits for the optimizer's first training step: plans name its
+        slots, which Keras makes there."""
+        optimizer = getattr(model, "optimizer", None) if model is not None else None
+        if self._entries_checked or self._plan is None or (
+                optimizer is not None and not keras_adapter.optimizer_built(optimizer)):
+            return
+        problems = self._ledger.problems(None if model is None else [_created_variable(w) for w in model.weights])
+        if problems and self._plan_given:
+            plan_check.raise_problems(
+                problems, "the plan given to TofuStrategy",
+                "Name each entry by a variable's path (plans from tofu_tf.plan_model use the model's own names; "
+                "a suffix of a Keras 3 path matches too), or drop the entry.")
+        self._entries_checked = True
+        if problems:
+            logging.warning("TofuStrategy: the plan has entries no variable took; those variables run "
+                            "replicated:\n  %s", "\n  ".join(problems))
 
     def _twin_name(self, path: str) -> str:
         """The plan's name for a variable made at ``path`` (an optimizer slot made after the
@@ -388,6 +428,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         kwargs = tf.nest.map_structure(self._to_batch_layout, kwargs)
         with self._container_strategy().scope(), _GlobalReplicaContext(self._container_strategy()):
             result = fn(*args, **kwargs)
+        self._check_entries_taken(model)
         return tf.nest.map_structure(_as_distributed_value, result)
 
     def _plan_from_step(self, model, args) -> None:
@@ -423,6 +464,13 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
     def _local_results(self, value):
         """One local result: the global value (one replica runs over the whole batch)."""
         return (_global_value(value),)
+
+
+def _created_variable(weight):
+    """The variable this strategy created behind a model's weight (Keras 3 wraps it in
+    ``.value``; tf-keras mixed precision in an ``AutoCastVariable``)."""
+    variable = keras_hooks.backing_variable(weight)
+    return getattr(variable, "_variable", variable)
 
 
 def _spec_of(value):

@@ -7,7 +7,8 @@ import re
 import pytest
 
 from tofu_tf.cost.memory import MemoryReport
-from tofu_tf.plan import CommCost, Method, Plan, PlanVersionError
+from tofu_tf.plan import CommCost, Method, Plan, PlanVersionError, read_plan
+from tofu_tf.plan_check import PlanError
 
 
 def _plan() -> Plan:
@@ -71,3 +72,104 @@ def test_summary_columns_never_run_together():
     assert len({row.start(2) for row in rows}) == 1              # one layout column
     layer_row = next(line for line in lines if line.lstrip().startswith(layer))
     assert layer_row.split() == [layer, f"{2.0**30:,.1f}", "1000.000"]
+
+
+# -- plan files as users hand them in: every problem named, in one error ----------------------
+
+def _data() -> dict:
+    return json.loads(_plan().to_json())
+
+
+def _problems(data) -> tuple[str, ...]:
+    with pytest.raises(PlanError) as caught:
+        Plan.from_dict(data)
+    return caught.value.problems
+
+
+def test_missing_fields_are_named_not_a_bare_key_error():
+    data = _data()
+    del data["mesh_axes"], data["memory"]
+    assert _problems(data) == ("missing field 'mesh_axes'", "missing field 'memory'")
+    with pytest.raises(PlanError, match="(?s)plan JSON cannot be used \\(2 problems\\).*plan the model again"):
+        Plan.from_dict(data)
+
+
+def test_unknown_mesh_axis_names_the_field_the_variable_the_axis_and_the_mesh():
+    data = _data()
+    data["variable_layouts"]["d/kernel"] = [None, "modle"]
+    assert _problems(data) == ("variable_layouts['d/kernel']: dim 1 names axis 'modle', which is not in mesh "
+                               "(batch=2, model=4)",)
+
+
+def test_an_extra_field_is_refused_with_the_fields_a_plan_has():
+    data = _data()
+    data["layouts"] = {"d/kernel": [None, "model"]}
+    (problem,) = _problems(data)
+    assert problem.startswith("unknown field 'layouts'; a plan's fields are version, method, mesh_axes")
+
+
+def test_an_axis_splitting_two_dims_is_refused():
+    data = _data()
+    data["input_layouts"]["x:0"] = ["model", "model"]
+    assert _problems(data) == ("input_layouts['x:0']: axis 'model' splits two dims of ('model', 'model'); DTensor "
+                               "splits one dim per mesh axis",)
+
+
+def test_every_problem_comes_in_one_error():
+    data = _data()
+    del data["hardware"]
+    data["method"] = "magic"
+    data["mesh_axes"] = [["batch", 2], ["model", 0]]
+    data["variable_layouts"]["d/kernel"] = "model"
+    data["comm_by_layer"] = {"d": [1.0]}
+    data["memory"].pop("peak_bytes")
+    problems = _problems(data)
+    assert problems == (
+        "missing field 'hardware'",
+        "mesh_axes: axis 'model' has size 0; sizes are positive integers",
+        "variable_layouts['d/kernel']: 'model' is not a layout; a layout is a list with one entry per tensor dim, "
+        "each a mesh axis name or null",
+        "method: 'magic' is not one of 'tofu', 'ilp', 'data_parallel', 'megatron'",
+        "comm_by_layer: 'd': [1.0] is not a [bytes, seconds] pair",
+        "memory: missing 'peak_bytes' (a memory report has peak_bytes, weight_bytes, optimizer_slot_bytes, "
+        "gradient_bytes_at_peak, activation_bytes_at_peak, peak_op, top_contributors)")
+
+
+def test_text_that_is_not_a_plan_object_is_refused():
+    with pytest.raises(PlanError, match="plan JSON is not valid JSON: Expecting value at line 1 column 13"):
+        Plan.from_json('{"version": }')
+    with pytest.raises(PlanError, match="plan JSON is a list, not a plan"):
+        Plan.from_json("[1, 2]")
+
+
+def test_json_text_a_path_and_a_dict_read_as_the_plan(tmp_path):
+    plan = _plan()
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    for given in (plan, plan.to_json(), str(path), path, plan.to_dict()):
+        assert read_plan(given) == plan
+    hand = HandLike({"model": 8}, {}, {})
+    assert read_plan(hand) is hand
+
+
+def test_a_file_names_itself_in_its_problems(tmp_path):
+    path = tmp_path / "plan.json"
+    data = _data()
+    del data["mesh_axes"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=f"(?s)plan file '{re.escape(str(path))}' cannot be used.*'mesh_axes'"):
+        read_plan(str(path))
+
+
+def test_what_is_not_a_plan_is_refused_with_what_plan_takes(tmp_path):
+    with pytest.raises(PlanError, match="neither plan JSON text .* nor the path of an existing file"):
+        read_plan(str(tmp_path / "missing.json"))
+    with pytest.raises(PlanError, match="plan= got a int, which has no mesh_shape, variable_layouts, input_layouts"):
+        read_plan(3)
+
+
+@dataclasses.dataclass(frozen=True)
+class HandLike:
+    mesh_shape: dict
+    variable_layouts: dict
+    input_layouts: dict

@@ -21,6 +21,7 @@ _LAZY = {
     "Plan": ("tofu_tf.plan", "Plan"),
     "one_device_copy": ("strategies.export", "one_device_copy"),
     "DTensorExportError": ("tofu_tf.tf.variables", "DTensorExportError"),
+    "PlanError": ("tofu_tf.plan_check", "PlanError"),
 }
 
 

@@ -10,7 +10,11 @@ it, so plans from different methods compare in one table. The modeled step
 time is communication seconds plus compute seconds (``tofu_tf.cost.compute``).
 
 Layouts are tuples with one entry per tensor dim: a mesh axis name or None.
-JSON is versioned; loading another version raises with the remedy.
+JSON is versioned; loading another version raises with the remedy. Loading
+checks every field and names every problem in one ``PlanError``
+(``tofu_tf.plan_check``): a plan file may be edited by hand or written for
+another model, and a layout that does not read must not be dropped silently.
+``read_plan`` takes what a user passes as ``TofuStrategy(plan=...)``.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 from typing import Mapping
 
 from tofu_tf.cost.memory import MemoryReport
+from tofu_tf.plan_check import (PLAN_ATTRIBUTES, PlanError, layouts_problems, mesh_problems,
+                                raise_problems)
 
 PLAN_VERSION = 1
 
@@ -38,7 +45,7 @@ class Objective(enum.Enum):
     MEMORY = "memory"  # peak memory per device (pure Tofu), communication breaks ties
 
 
-class PlanVersionError(ValueError):
+class PlanVersionError(PlanError):
     """Plan JSON written by another version of tofu_tf."""
 
 
@@ -163,37 +170,190 @@ class Plan:
         return json.dumps(self.to_dict(), **json_kwargs)
 
     @classmethod
-    def from_dict(cls, data: Mapping) -> "Plan":
+    def from_dict(cls, data: Mapping, *, source: str = "plan JSON") -> "Plan":
+        """The plan ``to_dict`` wrote. Every problem (a missing or unknown field, a value of
+        the wrong kind, a layout naming an axis the mesh lacks) is named in one ``PlanError``;
+        ``source`` says where the data came from in that message (a file's path)."""
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{source} is a {type(data).__name__}, not a plan: a plan is the JSON object "
+                            "Plan.to_json() writes.")
         if data.get("version") != PLAN_VERSION:
             raise PlanVersionError(
-                f"plan JSON has version {data.get('version')!r}; this tofu_tf reads version "
+                f"{source} has version {data.get('version')!r}; this tofu_tf reads version "
                 f"{PLAN_VERSION}. Plan the model again with this version (tofu_tf.plan_model).")
-        tuples = lambda d: {k: tuple(v) for k, v in d.items()}  # noqa: E731
-        costs = lambda d: {k: CommCost(float(b), float(s)) for k, (b, s) in d.items()}  # noqa: E731
-        return cls(
-            method=Method(data["method"]),
-            mesh_axes=tuple((str(n), int(s)) for n, s in data["mesh_axes"]),
-            variable_layouts=tuples(data["variable_layouts"]),
-            input_layouts=tuples(data["input_layouts"]),
-            tensor_layouts=tuples(data["tensor_layouts"]),
-            partial_tensors=tuples(data["partial_tensors"]),
-            op_strategies=tuples(data["op_strategies"]),
-            comm_by_collective=costs(data["comm_by_collective"]),
-            comm_by_layer=costs(data["comm_by_layer"]),
-            memory=MemoryReport.from_dict(data["memory"]),
-            search_seconds=float(data["search_seconds"]),
-            hardware=data["hardware"],
-            objective=Objective(data["objective"]),
-            memory_budget_bytes=data.get("memory_budget_bytes"),
-            proved_optimal=data.get("proved_optimal"),
-            notes=tuple(data.get("notes", ())),
-            compute_seconds=float(data.get("compute_seconds", 0.0)),
-            target=str(data.get("target", "dtensor")),
-        )
+        fields, problems = _read_fields(data)
+        raise_problems(problems, source, "Fix those fields (Plan.to_json() writes every field), or plan the "
+                                         "model again (tofu_tf.plan_model).")
+        return cls(**fields)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, *, source: str = "plan JSON") -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise PlanError(f"{source} is not valid JSON: {error.msg} at line {error.lineno} column "
+                            f"{error.colno}. Write it with Plan.to_json().") from None
+        return cls.from_dict(data, source=source)
+
+    @classmethod
+    def from_file(cls, path) -> "Plan":
+        """The plan in the JSON file at ``path`` (as ``Path(path).write_text(plan.to_json())`` wrote it)."""
+        with open(path, encoding="utf-8") as handle:
+            return cls.from_json(handle.read(), source=f"plan file {os.fspath(path)!r}")
+
+
+def read_plan(value):
+    """What ``TofuStrategy(plan=...)`` was given, as a plan: a ``Plan`` as it is; a dict
+    (``Plan.to_dict()``), JSON text or the path of a JSON file read with ``Plan.from_dict``
+    (every problem named); any other object with ``mesh_shape``, ``variable_layouts`` and
+    ``input_layouts`` (a plan written by hand) as it is, for ``plan_check.check_plan``."""
+    if isinstance(value, Plan):
+        return value
+    if isinstance(value, Mapping):
+        return Plan.from_dict(value, source="the plan dict")
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        return Plan.from_json(value)
+    if isinstance(value, (str, os.PathLike)):
+        if not os.path.isfile(value):
+            raise PlanError(f"plan={os.fspath(value)!r} is neither plan JSON text (an object, starting with "
+                            "'{') nor the path of an existing file. Pass Plan.to_json() text, a path to a file "
+                            "holding it, its dict, or the Plan.")
+        return Plan.from_file(value)
+    missing = [name for name in PLAN_ATTRIBUTES if not hasattr(value, name)]
+    if missing:
+        raise PlanError(f"plan= got a {type(value).__name__}, which has no {', '.join(missing)}. Pass a "
+                        "tofu_tf.Plan, its JSON text, a path to a JSON file holding it, its dict (Plan.to_dict()), "
+                        "or an object with mesh_shape, variable_layouts and input_layouts.")
+    return value
+
+
+# -- reading plan JSON: each field checked, every problem kept -------------------------------
+
+def _required_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(Plan)
+                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+
+
+def _read_fields(data: Mapping) -> tuple[dict, list[str]]:
+    """Plan's constructor arguments from ``data`` and the problems found reading them."""
+    names = [f.name for f in dataclasses.fields(Plan)]
+    problems = [f"missing field {name!r}" for name in _required_fields() if name not in data]
+    unknown = [key for key in data if key not in names and key != "version"]
+    if unknown:
+        problems.append(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                        f"a plan's fields are version, {', '.join(names)}")
+    fields: dict = {}
+    mesh_sizes = None
+    if "mesh_axes" in data:
+        axes = data["mesh_axes"]
+        found = (mesh_problems(axes) if isinstance(axes, (list, tuple))
+                 else [f"mesh_axes: {axes!r} is not a list of [name, size] pairs"])
+        problems.extend(found)
+        if not found:
+            fields["mesh_axes"] = tuple((name, size) for name, size in axes)
+            mesh_sizes = dict(fields["mesh_axes"])
+    for name in ("variable_layouts", "input_layouts", "tensor_layouts", "partial_tensors"):
+        if name in data:
+            # Axes are checked against the mesh only when the mesh itself reads (mesh_sizes).
+            found = layouts_problems(name, data[name], mesh_sizes)
+            problems.extend(found)
+            if not found:
+                fields[name] = {key: tuple(layout) for key, layout in data[name].items()}
+    readers = {
+        "method": _enum(Method), "objective": _enum(Objective), "op_strategies": _strategies,
+        "comm_by_collective": _costs, "comm_by_layer": _costs, "memory": _memory,
+        "search_seconds": _number, "compute_seconds": _number, "hardware": _text, "target": _text,
+        "memory_budget_bytes": _optional(_integer), "proved_optimal": _optional(_boolean), "notes": _notes,
+    }
+    for name, read in readers.items():
+        if name not in data:
+            continue
+        try:
+            fields[name] = read(data[name])
+        except ValueError as error:
+            problems.append(f"{name}: {error}")
+    return fields, problems
+
+
+def _enum(kind):
+    def read(value):
+        try:
+            return kind(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not one of {', '.join(repr(m.value) for m in kind)}") from None
+    return read
+
+
+def _number(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{value!r} is not a number")
+    return float(value)
+
+
+def _integer(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{value!r} is not an integer")
+    return value
+
+
+def _boolean(value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{value!r} is not true or false")
+    return value
+
+
+def _text(value) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a string")
+    return value
+
+
+def _optional(read):
+    return lambda value: None if value is None else read(value)
+
+
+def _mapping(value) -> Mapping:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{type(value).__name__} is not a mapping")
+    return value
+
+
+def _strategies(value) -> dict[str, tuple]:
+    out = {}
+    for op, names in _mapping(value).items():
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"op {op!r}: {names!r} is not a list of strategy names")
+        out[op] = tuple(names)
+    return out
+
+
+def _costs(value) -> dict[str, CommCost]:
+    out = {}
+    for name, cost in _mapping(value).items():
+        if not isinstance(cost, (list, tuple)) or len(cost) != 2:
+            raise ValueError(f"{name!r}: {cost!r} is not a [bytes, seconds] pair")
+        out[name] = CommCost(_number(cost[0]), _number(cost[1]))
+    return out
+
+
+def _memory(value) -> MemoryReport:
+    names = [f.name for f in dataclasses.fields(MemoryReport)]
+    value = _mapping(value)
+    missing = [name for name in names if name not in value]
+    unknown = [key for key in value if key not in names]
+    if missing or unknown:
+        raise ValueError(", ".join([f"missing {name!r}" for name in missing] + [f"unknown {key!r}" for key in unknown])
+                         + f" (a memory report has {', '.join(names)})")
+    try:
+        return MemoryReport.from_dict(value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"top_contributors is not a list of [name, bytes] pairs ({error})") from None
+
+
+def _notes(value) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) for n in value):
+        raise ValueError(f"{value!r} is not a list of strings")
+    return tuple(value)
 
 
 def format_bytes(nbytes: float) -> str:

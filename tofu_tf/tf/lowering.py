@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 
 from tensorflow.experimental import dtensor
 
+from tofu_tf import plan_check
 from tofu_tf.tf.devices import DeviceSet
 
 
@@ -27,18 +28,18 @@ class Lowered:
     batch_axis: str | None
 
     def layout_for(self, path: str, shape) -> dtensor.Layout:
-        """The planned layout of a variable; replicated when the plan does not name it."""
+        """The planned layout of a variable; replicated when the plan does not name it.
+
+        A layout the plan gives that cannot lay this variable out (another rank, a split dim
+        its axis does not divide) raises ``PlanError`` naming the variable, its shape and the
+        layout: replicating it instead would silently drop the plan's split."""
         shape = tuple(shape)
         spec = self.variable_layouts.get(path)
-        if spec is None or len(spec) != len(shape):
+        if spec is None:
             return dtensor.Layout.replicated(self.mesh, rank=len(shape))
-        sizes = dict(zip(self.mesh.dim_names, self.mesh.shape()))
-        for dim, axis in zip(shape, spec):
-            if axis is not None and (axis not in sizes or dim % sizes[axis]):
-                raise ValueError(
-                    f"plan layout {spec} for variable {path!r} of shape {shape} is not legal on mesh "
-                    f"{sizes}: a split dim must divide evenly by an axis of the mesh. Re-plan, or fix "
-                    "the layout you passed.")
+        problem = plan_check.variable_problem(path, shape, spec, dict(zip(self.mesh.dim_names, self.mesh.shape())))
+        if problem is not None:
+            raise plan_check.PlanError(problem, (problem,))
         return dtensor.Layout([dtensor.UNSHARDED if a is None else a for a in spec], self.mesh)
 
     def batch_layout(self, rank: int) -> dtensor.Layout:
