@@ -434,8 +434,10 @@ def relayout_layer_inputs(model, layout_of_kernel, batch_axis, mesh) -> list[str
         feature_axis = _input_feature_axis(layer, layout_of_kernel, dtensor)
         if feature_axis is None:
             continue
-        layer.call = types.MethodType(
-            _relayout_first_argument(layer.call, feature_axis, batch_axis, mesh, dtensor), layer)
+        hinted_call = _relayout_first_argument(layer.call, feature_axis, batch_axis, mesh, dtensor)
+        if type(layer).__name__ in _CONVOLUTIONS:
+            hinted_call = _relayout_output_gradient(hinted_call, batch_axis, mesh, dtensor)
+        layer.call = types.MethodType(hinted_call, layer)
         layer._tofu_hinted = True  # pylint: disable=protected-access
         hinted.append(path)
     return hinted
@@ -452,6 +454,36 @@ def _input_feature_axis(layer, layout_of_kernel, dtensor):
         return dtensor.UNSHARDED
     kernel = getattr(layer, "kernel", None) if kind == "Dense" else None
     return layout_of_kernel(kernel) if kernel is not None else None
+
+
+def _batch_spec(shape, batch_axis, mesh, dtensor) -> list:
+    """Batch dim on the batch axis when it divides, every other dim unsplit."""
+    spec = [dtensor.UNSHARDED] * shape.rank
+    if batch_axis is not None and shape.rank > 1 and shape[0] is not None \
+            and shape[0] % mesh.dim_size(batch_axis) == 0:
+        spec[0] = batch_axis
+    return spec
+
+
+def _relayout_output_gradient(call, batch_axis, mesh, dtensor):
+    """``call`` whose output's gradient arrives batch-split or replicated.
+
+    DTensor's layout propagation carries a feature split of later layers back
+    through reshapes into the gradient of a convolution's output (a ViT's patch
+    embedding), and DTensor's Conv2DBackpropFilter expander refuses any layout but
+    batch-parallel ones. The target prices that gradient batch-split or
+    replicated; the relayout is that conversion, made explicit."""
+    def with_gradient_relaid(*args, **kwargs):
+        outputs = call(*args, **kwargs)
+        if not isinstance(outputs, tf.Tensor) or outputs.shape.rank is None:
+            return outputs
+        layout = dtensor.Layout(_batch_spec(outputs.shape, batch_axis, mesh, dtensor), mesh)
+
+        @tf.custom_gradient
+        def identity(x):
+            return tf.identity(x), lambda dy: dtensor.relayout(tf.convert_to_tensor(dy), layout)
+        return identity(outputs)
+    return with_gradient_relaid
 
 
 def _relayout_first_argument(call, row_axis, batch_axis, mesh, dtensor):

@@ -161,6 +161,23 @@ def train_from_weights_read_before_the_plan(build, weights_file, *, compile_fn=c
     return model, reference, loss, expected
 
 
+def train_beside_one_device_under(plan, build, x, y, *, compile_fn=compile_model):
+    """One epoch of ``build()`` on one device and under ``TofuStrategy(8, plan=plan)`` (a
+    ``HandPlan``) from the same initial weights: (model, reference, its losses, the reference's)."""
+    from strategies import TofuStrategy
+    reference = build()
+    initial = reference.get_weights()
+    compile_fn(reference)
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    strategy = TofuStrategy(8, plan=plan)
+    with strategy.scope():
+        model = build()
+        compile_fn(model)
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    return model, reference, loss, expected
+
+
 def assert_trained_alike(model, reference, loss, expected, *, rtol=1e-5, atol=1e-6):
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
     for got, want in zip(model.get_weights(), reference.get_weights()):

@@ -1,6 +1,6 @@
-"""The DTensor expanders ``tofu_tf.search.targets`` lists as broken, each with a
-minimal DTensor program that shows the breakage and a test that the strategy
-avoids it.
+"""The DTensor expanders ``tofu_tf.search.targets`` lists as broken or limited,
+each with a minimal DTensor program that shows the breakage and a test that the
+strategy avoids it.
 
 The DTensor programs run in subprocesses: a broken expander may segfault, and a
 segfault must fail its test, not the suite. They also tell when a TF upgrade
@@ -11,10 +11,13 @@ import os
 import subprocess
 import sys
 
+import keras as keras3
+import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras as keras
 
+from tests import strategy_helpers as h
 from tofu_tf.search import UnsupportedOpError, plan_graph
 from tofu_tf.search.targets import NO_LAYOUT_PROPAGATION
 from tofu_tf.tf import variables as variables_lib
@@ -35,9 +38,10 @@ replicated = dtensor.Layout.replicated
 """
 
 
-def _run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _run(script: str, *args: str, timeout: int = 300, env=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
     return subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"), timeout=timeout)
+                          env=env, timeout=timeout)
 
 
 def _tail(out: subprocess.CompletedProcess) -> str:
@@ -178,6 +182,217 @@ def test_dtensor_cannot_split_a_tensor_whose_size_depends_on_the_data():
     # of the result, that read's cancellation.
     assert ("does not start with segment_ids.shape" in out.stderr
             or "Function was cancelled before it was started" in out.stderr), _tail(out)
+
+
+# -- layout propagation that does not converge, and the reduce expander ------------
+
+_RESIDUAL_BLOCKS = _MESH + """
+# Tokens -> embedding -> residual blocks x + norm(x) @ w (w's output dim split) -> norm -> head,
+# trained one SGD-with-momentum step. The scaled norm is an RMSNorm: its scale's gradient is a Sum.
+blocks = int(sys.argv[1])
+rng = np.random.default_rng(0)
+tokens = dtensor.copy_to_mesh(tf.constant(rng.integers(0, 64, (8, 8)), tf.int32), replicated(mesh, 2))
+labels = dtensor.copy_to_mesh(tf.constant(rng.integers(0, 64, (8, 8)), tf.int32), replicated(mesh, 2))
+
+
+def variable(value, spec):
+    value = tf.constant(value, tf.float32)
+    return dtensor.DVariable(dtensor.relayout(dtensor.copy_to_mesh(value, replicated(mesh, value.shape.rank)),
+                                              dtensor.Layout(spec, mesh)))
+
+
+weights = [variable(rng.normal(size=(64, 32)) * 0.1, [U, U]), variable(np.zeros(32), [U])]
+for _ in range(blocks):
+    weights += [variable(np.zeros(32), [U]), variable(rng.normal(size=(32, 32)) * 0.1, [U, "model"])]
+weights.append(variable(rng.normal(size=(32, 64)) * 0.1, [U, U]))
+layouts = [w.layout for w in weights]
+slots = [dtensor.DVariable(dtensor.call_with_layout(tf.zeros, layout, w.shape))
+         for w, layout in zip(weights, layouts)]
+
+
+def norm(x, scale):
+    return x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), -1, keepdims=True) + 1e-6) * (1.0 + scale)
+
+
+@tf.function
+def step(tokens, labels):
+    with tf.GradientTape() as tape:
+        x = tf.gather(weights[0], tokens)
+        for i in range(blocks):
+            x = x + tf.matmul(norm(x, weights[2 + 2 * i]), weights[3 + 2 * i])
+        logits = tf.matmul(norm(x, weights[1]), weights[-1])
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+    for w, m, layout, g in zip(weights, slots, layouts, tape.gradient(loss, weights)):
+        update = dtensor.relayout(0.9 * m - 0.1 * tf.convert_to_tensor(g), layout)
+        m.assign(update)
+        w.assign(dtensor.relayout(w + update, layout))
+    return loss
+
+
+step(tokens, labels)
+print(blocks, "blocks ran", flush=True)
+"""
+
+
+def test_dtensor_reduce_expander_cannot_gather_what_a_non_converging_propagation_asks_for():
+    """DTensor's layout propagation iterates producer and consumer requests to a fixed
+    point. Two residual blocks, each adding a feature-split projection to a whole residual,
+    make it oscillate; it gives up ("Failed to converge", logged at vmodule 2), clears the
+    changing layouts and locks the rest, and then asks a Sum for an output less split than
+    its input, which the reduce expander cannot make: it only splits further. One block
+    converges and runs."""
+    verbose = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "layout_propagation_v2=2"}
+    one = _run(_RESIDUAL_BLOCKS, "1", env=verbose)
+    assert one.returncode == 0 and "1 blocks ran" in one.stdout, _tail(one)
+    assert "Failed to converge" not in one.stderr, _tail(one)
+    two = _run(_RESIDUAL_BLOCKS, "2", env=verbose)
+    assert two.returncode != 0 and "blocks ran" not in two.stdout, _tail(two)
+    assert "Failed to converge" in two.stderr, _tail(two)
+    assert "EmitAllScatter" in two.stderr, _tail(two)
+    assert "was not more sharded than the original_layout" in two.stderr, _tail(two)
+
+
+class _RMSNorm(keras3.layers.Layer):
+    """An RMSNorm with a ``scale`` weight, as Gemma's and Llama's."""
+
+    def build(self, shape):
+        self.scale = self.add_weight(name="scale", shape=(shape[-1],), initializer="zeros")
+
+    def call(self, x):
+        x = x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), -1, keepdims=True) + 1e-6)
+        return x * (1.0 + self.scale)
+
+
+def _residual_lm():
+    """Keras 3: embedding, two residual blocks x + Dense(norm(x)), a norm and a head."""
+    keras3.utils.set_random_seed(7)
+    tokens = keras3.Input((8,), dtype="int32")
+    x = keras3.layers.Embedding(64, 32, name="embedding")(tokens)
+    for i in range(2):
+        x = x + keras3.layers.Dense(32, use_bias=False, name=f"out_{i}")(_RMSNorm(name=f"norm_{i}")(x))
+    x = _RMSNorm(name="norm")(x)
+    return keras3.Model(tokens, keras3.layers.Dense(64, use_bias=False, name="head")(x))
+
+
+def _compile_keras3(model):
+    model.compile(optimizer=keras3.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras3.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def _tokens(steps: int = 3):
+    rng = np.random.default_rng(0)
+    return tuple(rng.integers(0, 64, (8 * steps, 8)).astype("int32") for _ in range(2))
+
+
+def test_one_axis_splitting_the_batch_and_the_weights_fails_where_the_weights_alone_train():
+    """Why the DTensor target gives each mesh axis the batch or the weights: the same
+    feature-split projections train as one device with the batch whole, and fail in the
+    first step (the reduce expander, after a propagation that did not converge) with the
+    batch split on their axis."""
+    split = {f"out_{i}/kernel": (None, "model") for i in range(2)}
+    x, y = _tokens()
+    whole = h.HandPlan({"model": 8}, split, {"x": (None, None)})
+    h.assert_trained_alike(*h.train_beside_one_device_under(whole, _residual_lm, x, y, compile_fn=_compile_keras3))
+    batch = h.HandPlan({"model": 8}, split, {"x": ("model", None)})
+    with pytest.raises(tf.errors.UnknownError, match="EmitAllScatter"):
+        h.train_beside_one_device_under(batch, _residual_lm, x, y, compile_fn=_compile_keras3)
+
+
+# -- convolution gradients ------------------------------------------------------
+
+_FILTER_GRADIENT = _MESH + """
+rng = np.random.default_rng(0)
+images = dtensor.copy_to_mesh(tf.constant(rng.normal(size=(8, 16, 16, 3)), tf.float32), replicated(mesh, 4))
+grad = dtensor.copy_to_mesh(tf.constant(rng.normal(size=(8, 4, 4, 32)), tf.float32), replicated(mesh, 4))
+
+
+def filter_gradient(x, dy):
+    return tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=[4, 4, 3, 32], out_backprop=dy,
+                                           strides=[1, 4, 4, 1], padding="VALID")
+
+
+want = filter_gradient(dtensor.unpack(images)[0], dtensor.unpack(grad)[0]).numpy()
+for name, spec in (("batch-split", ["model", U, U, U]), ("channel-split", [U, U, U, "model"])):
+    got = tf.function(filter_gradient)(images, dtensor.relayout(grad, dtensor.Layout(spec, mesh)))
+    assert np.allclose(dtensor.unpack(dtensor.relayout(got, replicated(mesh, 4)))[0].numpy(), want, atol=1e-4)
+    print(name, "ran", flush=True)
+"""
+
+
+def test_dtensor_filter_gradient_takes_a_batch_parallel_output_gradient_only():
+    """A patch embedding's filter gradient (stride 4): an output gradient split on the batch
+    runs, one split on the channels is refused."""
+    out = _run(_FILTER_GRADIENT)
+    assert "batch-split ran" in out.stdout, _tail(out)
+    assert out.returncode != 0 and "channel-split ran" not in out.stdout, _tail(out)
+    assert "only supports batch parallel layouts.tf.Conv2DBackpropFilter" in out.stderr, _tail(out)
+
+
+def _patch_classifier():
+    """Keras 3: a ViT-style patch embedding (Conv2D, stride 4) -> tokens -> LayerNorm -> pool -> head."""
+    keras3.utils.set_random_seed(7)
+    images = keras3.Input((16, 16, 3))
+    x = keras3.layers.Conv2D(32, 4, strides=4, name="patches")(images)
+    x = keras3.layers.LayerNormalization(name="ln")(keras3.layers.Reshape((16, 32))(x))
+    x = keras3.layers.GlobalAveragePooling1D()(x)
+    return keras3.Model(images, keras3.layers.Dense(4, name="head")(x))
+
+
+def test_a_patch_embedding_trains_under_a_feature_split_head():
+    """The head's row split reaches the convolution's output gradient through the reshape;
+    the strategy relays that gradient out batch-parallel, as the plan priced it (before:
+    "only supports batch parallel layouts" in the first step)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 16, 16, 3)).astype("float32"), rng.integers(0, 4, (24,)).astype("int32")
+    plan = h.HandPlan({"model": 8}, {"head/kernel": ("model", None)}, {"x": (None, None, None, None)})
+    h.assert_trained_alike(*h.train_beside_one_device_under(plan, _patch_classifier, x, y,
+                                                            compile_fn=_compile_keras3))
+
+
+# -- gathers and contractions ------------------------------------------------------
+
+_TABLE_ROWS = _MESH + """
+value = tf.reshape(tf.range(64 * 16.0), (64, 16))
+ids = [[3, 60, 7, 33]] * 8
+for name, spec in (("features split", [U, "model"]), ("rows split", ["model", U])):
+    table = dtensor.DVariable(dtensor.relayout(dtensor.copy_to_mesh(value, replicated(mesh, 2)),
+                                               dtensor.Layout(spec, mesh)))
+    rows = tf.function(table.sparse_read)(dtensor.copy_to_mesh(tf.constant(ids), replicated(mesh, 2)))
+    got = dtensor.unpack(dtensor.relayout(rows, replicated(mesh, 3)))[0].numpy()
+    assert np.array_equal(got, tf.gather(value, ids).numpy())
+    print(name, "ran", flush=True)
+"""
+
+
+def test_dtensor_resource_gather_refuses_split_rows():
+    """An Embedding's lookup (ResourceGather) on a table split by features runs; split by
+    rows it is refused."""
+    out = _run(_TABLE_ROWS)
+    assert "features split ran" in out.stdout, _tail(out)
+    assert out.returncode != 0 and "rows split ran" not in out.stdout, _tail(out)
+    assert "does not support sharded 0th dimension for the resource tensor" in out.stderr, _tail(out)
+
+
+_CONTRACTION = _MESH + """
+mesh = dtensor.create_mesh([("a", 2), ("b", 4)], devices=[f"CPU:{i}" for i in range(8)])
+x = tf.reshape(tf.range(8 * 32.0) / 100, (8, 32))
+w = tf.reshape(tf.range(32 * 16.0) / 100, (32, 16))
+on = lambda value, spec: dtensor.relayout(dtensor.copy_to_mesh(value, replicated(mesh, 2)),
+                                         dtensor.Layout(spec, mesh))
+for name, spec in (("same axis", [U, "b"]), ("different axes", [U, "a"])):
+    got = tf.function(tf.matmul)(on(x, spec), on(w, ["b", U]))
+    assert np.allclose(dtensor.unpack(dtensor.relayout(got, replicated(mesh, 2)))[0].numpy(), (x @ w).numpy())
+    print(name, "ran", flush=True)
+"""
+
+
+def test_dtensor_matmul_refuses_a_contraction_split_on_two_axes():
+    """The contracted dim split on the same mesh axis in both operands runs (partial sums,
+    then a reduction); split on different axes it is refused, not relaid."""
+    out = _run(_CONTRACTION)
+    assert "same axis ran" in out.stdout, _tail(out)
+    assert out.returncode != 0 and "different axes ran" not in out.stdout, _tail(out)
+    assert "Contracting dimension for matmul has sharding dimension a" in out.stderr, _tail(out)
 
 
 # -- ops without layout propagation ----------------------------------------------

@@ -1,12 +1,15 @@
 """Lowering targets: the DTensor target drops what DTensor cannot lower; "ideal" keeps Tofu's space."""
 
 import pytest
-from tests.test_search_support import GraphBuilder, stub_strategies
+from tests.test_search_support import GraphBuilder, mlp_graph, stub_strategies
 
+from tofu_tf.cost.hardware import H100_NVLINK
 from tofu_tf.search import UnsupportedOpError, plan_graph
+from tofu_tf.search.coarsen import GraphIndex
 from tofu_tf.search.legality import check_plan
-from tofu_tf.search.targets import (Target, as_target, check_lowerable, dtensor_lowerable, pinned_variables,
-                                    unlowerable_ops)
+from tofu_tf.search.problem import ProblemBuilder
+from tofu_tf.search.targets import (AxisRole, Target, as_target, axis_roles, check_lowerable, dtensor_lowerable,
+                                    pinned_variables, unlowerable_ops, unsplit_variable_dims)
 from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, Reduction, TensorSplit
 
 P = TensorSplit(partial=Reduction.SUM)
@@ -144,3 +147,89 @@ def test_ops_without_layout_propagation_are_refused_unless_on_constants():
                                                  r"from tf\.linalg\.svd.*not even replicated"):
         check_lowerable(graph, Target.DTENSOR)
     check_lowerable(graph, Target.IDEAL)
+
+
+# -- what one mesh axis may split -------------------------------------------------
+
+def _problem(role, batch=8, n=4):
+    graph = mlp_graph(batch=batch)
+    builder = ProblemBuilder(GraphIndex(graph, stub_strategies), (), n, H100_NVLINK.intra_node, role=role)
+    return builder
+
+
+def test_a_batch_axis_splits_every_input_and_no_variable_and_a_model_axis_no_input():
+    assert axis_roles(Target.DTENSOR) == (AxisRole.BATCH, AxisRole.MODEL)
+    assert axis_roles(Target.IDEAL) == (AxisRole.ANY,)
+    batch = _problem(AxisRole.BATCH).build()
+    model = _problem(AxisRole.MODEL).build()
+    free = _problem(AxisRole.ANY).build()
+    for problem, inputs, variables in ((batch, {"S0"}, {"R"}), (model, {"R"}, None), (free, None, None)):
+        for node in problem.nodes:
+            labels = {o.label for o in node.options}
+            if node.name == "x":
+                assert inputs is None or labels == inputs, (node.name, labels)
+            elif node.name.startswith("var:"):
+                assert variables is None or labels == variables, (node.name, labels)
+                assert variables is not None or len(labels) > 1, (node.name, labels)
+
+
+def test_a_batch_axis_needs_a_batch_it_divides():
+    assert _problem(AxisRole.BATCH, batch=8, n=4).can_build()
+    assert not _problem(AxisRole.BATCH, batch=6, n=4).can_build()
+    assert _problem(AxisRole.MODEL, batch=6, n=4).can_build()
+
+
+@pytest.fixture(scope="module")
+def keras3_gpt():
+    """A Keras 3 GPT whose half-budget plan, in Tofu's full space, splits the batch and the
+    weights on one axis (the embedding's input and the labels, and the kernels)."""
+    import keras as keras3
+
+    from tofu_tf import models
+    from tofu_tf.tf.capture import capture_training_step
+    model = models.gpt(num_layers=2, d_model=32, num_heads=4, seq_len=8, vocab_size=64, keras=keras3)
+    graph = capture_training_step(model, batch_size=8, loss="sparse_categorical_crossentropy", optimizer="sgd")
+    free = plan_graph(graph, num_devices=8, hardware="cpu-virtual")
+    return graph, free.peak_memory_bytes // 2
+
+
+def _axis_use(plan):
+    """Per mesh axis: the set of (input splits its batch on it) and whether a variable is split on it."""
+    return {name: ({layout[0] == name for layout in plan.input_layouts.values()},
+                   any(name in layout for layout in plan.variable_layouts.values()))
+            for name, _ in plan.mesh_axes}
+
+
+def test_dtensor_plans_split_the_batch_or_the_weights_on_each_axis(keras3_gpt):
+    """DTensor's layout propagation does not converge where one axis splits both, and its
+    reduce expander then fails (tests/test_dtensor_expanders.py); the lowering lays every
+    batch input out on one axis. Before: the half-budget plan split the weights on one axis
+    and, on the same axis, the batch of some inputs."""
+    graph, budget = keras3_gpt
+    plan = plan_graph(graph, num_devices=8, hardware="cpu-virtual", memory_budget_bytes=budget)
+    check_plan(graph, plan, num_devices=8)
+    assert plan.peak_memory_bytes <= budget
+    use = _axis_use(plan)
+    assert any(weights for _, weights in use.values()), use
+    for name, (inputs, weights) in use.items():
+        assert inputs in ({True}, {False}), (name, inputs)
+        assert not (weights and inputs == {True}), (name, use)
+
+
+def test_dtensor_plans_keep_an_embedding_table_whole_by_rows():
+    """DTensor's ResourceGather refuses a table split by rows (tests/test_dtensor_expanders.py);
+    the lowering used to unsplit what the plan had priced split. Before: the least-memory plan
+    of a narrow table split its rows."""
+    import keras as keras3
+
+    from tofu_tf.tf.capture import capture_training_step
+    keras3.utils.set_random_seed(3)
+    tokens = keras3.Input((8,), dtype="int32")
+    x = keras3.layers.Embedding(1024, 4, name="table")(tokens)
+    graph = capture_training_step(keras3.Model(tokens, keras3.layers.Dense(16, name="head")(x)), batch_size=8,
+                                  loss="sparse_categorical_crossentropy", optimizer="sgd")
+    assert unsplit_variable_dims(graph, Target.DTENSOR) == {"table/embeddings": frozenset({0})}
+    assert unsplit_variable_dims(graph, Target.IDEAL) == {}
+    plan = plan_graph(graph, num_devices=8, hardware="cpu-virtual", objective="memory")
+    rows, features = plan.variable_layouts["table/embeddings"]
+    assert rows is None and features is not None, plan.variable_layouts

@@ -3,9 +3,11 @@
 This module owns the outer loop: which mesh shapes to try (every ordered
 factorization of the device count, or the one the user fixed), which method
 solves each axis (Tofu's DP, the ILP, or a baseline restriction of the same
-problem), the memory budget (a Lagrange multiplier bisected until the exact
-liveness peak fits), and turning the winner into a ``Plan``. It never prices
-anything itself: ``tofu_tf.cost.evaluate`` does.
+problem) in the roles the target allows (``targets.AxisRole``: under DTensor
+each axis is solved as a batch axis and as a model axis, the cheaper kept), the
+memory budget (a Lagrange multiplier bisected until the exact liveness peak
+fits), and turning the winner into a ``Plan``. It never prices anything itself:
+``tofu_tf.cost.evaluate`` does.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from tofu_tf.search import baselines, tofu_dp
 from tofu_tf.search.coarsen import GraphIndex, StrategyProvider
 from tofu_tf.search.problem import TIE_PENALTY, AxisDecision, AxisProblem, ProblemBuilder
 from tofu_tf.search.progress import SearchProgress
-from tofu_tf.search.targets import Target, as_target, check_lowerable, pinned_variables, restrict_provider
+from tofu_tf.search.targets import (AxisRole, Target, as_target, axis_roles, check_lowerable, pinned_variables,
+                                    restrict_provider, unsplit_variable_dims)
 from tofu_tf.semantics.strategy import REPLICATED
 
 _MEMORY_LAMBDA = 1.0        # seconds per byte: memory dominates any communication time
@@ -108,11 +111,13 @@ def _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_
     work = op_work_seconds(graph, hardware)
     liveness = Liveness(graph)
     index = GraphIndex(graph, provider, pinned=pinned_variables(graph, target),
+                       unsplit_dims=unsplit_variable_dims(graph, target),
                        work={} if objective is Objective.COMM else work, liveness=liveness)
     meshes, restrict = _meshes_and_restriction(method, index, num_devices, mesh_shape)
     solver = _solver(method, max_states, time_limit_s)
     first_pass = len({mesh.sizes[: k + 1] for mesh in meshes for k in range(len(mesh.axes))})
-    search = _Search(index, liveness, hardware, solver, restrict, work, SearchProgress(first_pass))
+    roles = (AxisRole.ANY,) if restrict is not None else axis_roles(target)   # a baseline fixes its own pattern
+    search = _Search(index, liveness, hardware, solver, restrict, work, SearchProgress(first_pass), roles)
     if method in (Method.DATA_PARALLEL, Method.MEGATRON):
         best = min((search.solve(m, 0.0) for m in meshes), key=lambda c: c.key(objective))  # fixed patterns
     else:
@@ -189,9 +194,10 @@ class _Search:
     only the meshes whose lower bound does not already lose to a priced plan that fits."""
 
     def __init__(self, index: GraphIndex, liveness: Liveness, hardware: HardwareProfile,
-                 solver: AxisSolver, restrict, work, progress: SearchProgress):
+                 solver: AxisSolver, restrict, work, progress: SearchProgress,
+                 roles: Sequence[AxisRole] = (AxisRole.ANY,)):
         self.index, self.liveness, self.hardware, self.work = index, liveness, hardware, work
-        self.progress = progress
+        self.progress, self.roles = progress, tuple(roles)
         self.pricer = StepPricer(index.graph, liveness)
         self.solver, self.restrict = solver, restrict
         self._prefixes: dict[tuple, _Solved] = {}
@@ -205,13 +211,7 @@ class _Search:
         for k in range(len(mesh.axes)):
             key = (mesh.sizes[: k + 1], mesh.num_devices, lam)
             if key not in self._prefixes:
-                link = self.hardware.axis_link(mesh, k)
-                started = time.perf_counter()
-                problem = ProblemBuilder(self.index, solved.decisions, mesh.sizes[k], link, self.restrict).build()
-                solution = self.solver(problem, lam)
-                self.solves += 1
-                self.progress.axis_solved(mesh.text(), k, len(mesh.axes), mesh.sizes[k], len(problem.nodes),
-                                          solution.exact, time.perf_counter() - started)
+                problem, solution = self._solve_axis(mesh, k, solved.decisions, lam)
                 seconds = problem.time(solution.choice)
                 self._prefixes[key] = _Solved(solved.decisions + (AxisDecision.of(problem, solution.choice, mesh.sizes[k]),),
                                               solved.exact and solution.exact,
@@ -219,6 +219,27 @@ class _Search:
             solved = self._prefixes[key]
         self.proved = self.proved and solved.exact
         return solved
+
+    def _solve_axis(self, mesh: MeshSpec, k: int, prior: tuple[AxisDecision, ...], lam: float):
+        """Axis ``k``'s problem and solution: under each role the target allows, the
+        one of least objective (``targets.axis_roles``)."""
+        link = self.hardware.axis_link(mesh, k)
+        started = time.perf_counter()
+        best = None
+        for role in self.roles:
+            builder = ProblemBuilder(self.index, prior, mesh.sizes[k], link, self.restrict, role)
+            if not builder.can_build():
+                continue
+            problem = builder.build()
+            solution = self.solver(problem, lam)
+            self.solves += 1
+            value = problem.objective(solution.choice, lam)
+            if best is None or value < best[0]:
+                best = (value, problem, solution)
+        _, problem, solution = best
+        self.progress.axis_solved(mesh.text(), k, len(mesh.axes), mesh.sizes[k], len(problem.nodes),
+                                  solution.exact, time.perf_counter() - started)
+        return problem, solution
 
     def price(self, mesh: MeshSpec, solved: _Solved) -> _Candidate:
         var_splits = _zip_tables([d.var_splits for d in solved.decisions])

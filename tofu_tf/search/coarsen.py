@@ -131,11 +131,13 @@ class GraphIndex:
     """Everything about a graph the per-axis problems share (built once per graph)."""
 
     def __init__(self, graph: ir.Graph, provider: StrategyProvider, *, pinned: frozenset[str] = frozenset(),
+                 unsplit_dims: Mapping[str, frozenset[int]] | None = None,
                  work: Mapping[str, float] | None = None, tie_gradients: bool = True, fold_blocks: bool = True,
                  liveness: Liveness | None = None):
         self.graph = graph
         self.provider = provider
         self.pinned = pinned               # weight paths that stay replicated (the lowering target's rule)
+        self.unsplit_dims = dict(unsplit_dims or {})   # weight path -> dims no axis splits (the same)
         self.work = dict(work or {})       # op -> compute seconds when not split
         self.ops = {op.name: op for op in graph.ops}
         self.position = {op.name: i for i, op in enumerate(graph.ops)}

@@ -123,7 +123,8 @@ def _static(index: "GraphIndex", name: str) -> tuple:
     if name.startswith("var:"):
         group = index.groups[name[4:]]
         members = index.members[name]
-        return ("var", group.shape, group.nbytes, group.key in index.pinned, len(group.paths), len(group.reads),
+        return ("var", group.shape, group.nbytes, group.key in index.pinned,
+                tuple(sorted(index.unsplit_dims.get(group.key, ()))), len(group.paths), len(group.reads),
                 len(group.assigns), tuple(view_key(index.ops[m], graph) for m in members),
                 tuple(index.work.get(m, 0.0) for m in members))
     op = index.ops[name]

@@ -39,6 +39,7 @@ from tofu_tf.cost.collectives import transfer_seconds
 from tofu_tf.cost.compute import is_split
 from tofu_tf.cost.hardware import Link
 from tofu_tf.search.coarsen import P_SUM, GraphIndex, TieEdge, Use, VarGroup
+from tofu_tf.search.targets import AxisRole
 from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, TensorSplit
 
 TIE_PENALTY = 1e3   # seconds: larger than any step, so a broken gradient tie never wins
@@ -168,14 +169,27 @@ class ProblemBuilder:
     """Builds the problem of mesh axis ``len(prior)`` given the axes decided before it.
 
     ``restrict`` (node name, option) -> bool keeps a subset of options (the baselines);
-    it may read names, so a restricted problem is built without sharing blocks."""
+    it may read names, so a restricted problem is built without sharing blocks.
+    ``role`` (``tofu_tf.search.targets.AxisRole``) says what the axis may split: a
+    batch axis splits every batch input on dim 0 and no variable, a model axis splits
+    no batch input. It reads no names: blocks are still shared."""
 
     def __init__(self, index: GraphIndex, prior: Sequence[AxisDecision], n: int, link: Link,
-                 restrict: Callable[[str, Option], bool] | None = None):
+                 restrict: Callable[[str, Option], bool] | None = None, role: AxisRole = AxisRole.ANY):
         self.index, self.prior, self.n, self.link = index, tuple(prior), n, link
-        self.restrict = restrict
+        self.restrict, self.role = restrict, role
         self.tensors = index.graph.tensors
         self._matrices = index.matrix_cache      # shared by every axis problem of the graph
+
+    def can_build(self) -> bool:
+        """Whether the axis can take its role: a batch axis needs every batch input's
+        dim 0 unsplit by earlier axes and divisible by the axis size."""
+        if self.role is not AxisRole.BATCH:
+            return True
+        if not self.index.input_ops:
+            return False
+        return all(any(o.strategies[0].outputs[0].dim == 0 for o in self._input_options(name, role_filter=False))
+                   for name in self.index.input_ops if self.tensors[self.index.ops[name].outputs[0]].rank)
 
     def build(self) -> AxisProblem:
         index = self.index
@@ -283,9 +297,11 @@ class ProblemBuilder:
 
     def _var_options(self, group: VarGroup) -> list[Option]:
         used = {d.var_splits[group.key].dim for d in self.prior} - {None}
+        used |= self.index.unsplit_dims.get(group.key, frozenset())
         shrink = self._prior_factor(group.key)
         options = []
-        splits = [REPLICATED] if group.key in self.index.pinned else self._legal_splits(group.shape, used)
+        pinned = group.key in self.index.pinned or self.role is AxisRole.BATCH
+        splits = [REPLICATED] if pinned else self._legal_splits(group.shape, used)
         members = self.index.members["var:" + group.key]
         for split in splits:
             strategies = self._group_strategies(group, split)
@@ -318,13 +334,18 @@ class ProblemBuilder:
             return None
         return out
 
-    def _input_options(self, name: str) -> list[Option]:
+    def _input_options(self, name: str, *, role_filter: bool = True) -> list[Option]:
         op = self.index.ops[name]
         tensor = self.tensors[op.outputs[0]]
         used = {d.op_strategies[name].outputs[0].dim for d in self.prior} - {None}
         shrink = self._prior_factor(name, output=0)
         options = []
-        for split in self._legal_splits(tensor.shape, used):
+        splits = self._legal_splits(tensor.shape, used)
+        if role_filter and self.role is AxisRole.BATCH and tensor.rank:
+            splits = [s for s in splits if s.dim == 0]
+        elif role_filter and self.role is AxisRole.MODEL:
+            splits = [REPLICATED]
+        for split in splits:
             per_device = tensor.num_bytes / shrink / (self.n if split.dim is not None else 1)
             strategy = OpStrategy("input", (), (split,) + (REPLICATED,) * (len(op.outputs) - 1))
             options.append(Option(split.text(), (strategy,), None, 0.0, per_device))

@@ -12,12 +12,38 @@ machines:
   weights they read stay replicated. In a
   graph with convolutions, 4-D activations are split on the batch dim only and
   weights read by ops on 4-D tensors (BatchNorm's scale and offset) stay
-  replicated: DTensor propagates a channel split back into the convolution;
+  replicated: DTensor propagates a channel split back into the convolution.
+  It also carries a later layer's feature split back through reshapes into the
+  gradient of a convolution's output (a ViT's patch embedding), and its
+  ``Conv2DBackpropFilter`` expander refuses that gradient in any layout but a
+  batch-parallel one; the strategy relays it out as priced
+  (``strategies.keras_hooks.relayout_layer_inputs``);
 * ``Split``/``SplitV`` never split the dim they cut along;
 * ``Pack``/``Unpack`` never split the dim they stack along;
 * variables read by an LSTM/GRU cell (ops whose Keras layer is an LSTM or GRU
   layer or cell) stay replicated: a split kernel propagates into the unrolled
-  input and DTensor's Unpack expander mis-shapes it.
+  input and DTensor's Unpack expander mis-shapes it;
+* a mesh axis splits the batch or the weights, never both (``AxisRole``): on a
+  *batch* axis every batch input is split on dim 0 and no variable is split, on
+  a *model* axis no batch input is split; the search solves each axis both ways
+  and keeps the cheaper. Two reasons. The lowering lays every batch input out by
+  one batch axis (``tofu_tf.tf.lowering.Lowered.batch_layout``), so a plan that
+  splits some inputs and not others is not what runs. And DTensor's layout
+  propagation is a fixed-point iteration that merges what producers and
+  consumers ask for; where one op's operands carry the same mesh axis on
+  different dims (the batch split of the data meets the feature split of a
+  weight's output) it oscillates, gives up after its step limit, clears the
+  changing layouts and locks the rest. The result can ask a reduction (``Sum``,
+  ``Mean``, ...) for an output less split than its input, and DTensor's reduce
+  expander only splits further (``EmitAllScatter ... was not more sharded than
+  the original_layout``): the first step fails at an RMSNorm scale's gradient
+  (Gemma, Llama, Mistral) or a LayerNorm's mean (GPT-2). The same weight layouts
+  train with the batch whole on their axis;
+* a table that a gather reads by rows (an Embedding) is never split on its rows
+  (``unsplit_variable_dims``): DTensor's ResourceGather refuses a sharded dim 0
+  ("DTensor does not support sharded 0th dimension for the resource tensor"),
+  and a plan that priced split rows ran with whole rows (the lowering unsplit
+  them), its activations split otherwise than priced.
 
 Some of DTensor's expanders are broken for every layout, so no plan can route
 around them; ``check_lowerable`` refuses such a graph before its first step,
@@ -43,14 +69,21 @@ minimal DTensor reproducer in ``tests/test_dtensor_expanders.py``:
 Either is refused only when it computes on the step's data: DTensor folds an op
 on constants (a causal mask's ``band_part``) before it expands anything.
 
-Not a plan matter, and handled where it arises: DTensor cannot relayout a
+Not a plan matter, and handled where it arises: DTensor's MatMul expander
+refuses operands whose contracted dims are split on different mesh axes
+("Contracting dimension for matmul has sharding dimension a for the left input
+and b for the right input") instead of relaying one out; a plan that moves a
+feature dim from one axis to another before a Dense layer gets that relayout
+from the strategy (``relayout_layer_inputs``), other contractions
+(``EinsumDense``, attention) do not. Likewise, DTensor cannot relayout a
 tensor whose size depends on the data (splitting one leaves each shard with no
 rows; gathering one aborts the process). An Embedding's deduplicated sparse
 gradient is such a tensor; ``TofuVariable.sparse_read`` lays its gradient out
 like the table before the rows are deduplicated, so none is needed.
 
-The search applies a target as a wrapper around the strategy provider plus a
-set of variables pinned to replication; it imports no TensorFlow.
+The search applies a target as a wrapper around the strategy provider, a set of
+variables pinned to replication, the dims of others no axis splits and the roles
+an axis may take; it imports no TensorFlow.
 """
 
 from __future__ import annotations
@@ -97,6 +130,24 @@ _WRITTEN_AS = {
     "StridedSlice": "t[...]"}
 # Ops whose value is not known before the step even when their inputs are.
 _UNFOLDED = re.compile(r"Random|Placeholder|VarHandle|ReadVariable|Variable")
+
+
+class AxisRole(enum.Enum):
+    """What one mesh axis may split (``tofu_tf.search.problem.ProblemBuilder``).
+
+    ``ANY``: anything (the ideal target). ``BATCH``: every batch input on dim 0 and
+    no variable. ``MODEL``: variables, and no batch input."""
+
+    ANY = "any"
+    BATCH = "batch"
+    MODEL = "model"
+
+
+def axis_roles(target: Target) -> tuple[AxisRole, ...]:
+    """The roles the search tries for each mesh axis, keeping the cheaper: DTensor's
+    layout propagation handles an axis that splits the batch or the weights, not both
+    (this module's docstring says why)."""
+    return (AxisRole.ANY,) if target is Target.IDEAL else (AxisRole.BATCH, AxisRole.MODEL)
 
 
 class UnsupportedOpError(ValueError):
@@ -295,6 +346,53 @@ def pinned_variables(graph: ir.Graph, target: Target) -> frozenset[str]:
     return frozenset(pinned)
 
 
+def unsplit_variable_dims(graph: ir.Graph, target: Target) -> dict[str, frozenset[int]]:
+    """Per weight path, the dims ``target`` cannot split (its slots follow): the rows
+    of a table a gather reads along dim 0 (an Embedding), which DTensor's gather
+    expanders refuse to split."""
+    if target is Target.IDEAL:
+        return {}
+    readers: dict[str, list[ir.Op]] = {}
+    for op in graph.ops:
+        for name in op.inputs:
+            readers.setdefault(name, []).append(op)
+    out: dict[str, frozenset[int]] = {}
+    for op in graph.ops:
+        if op.type == "ResourceGather" and op.inputs:     # tf-keras: a lookup on the variable's handle
+            handle = graph.tensors.get(op.inputs[0])
+            if handle is not None and handle.variable_path is not None:
+                out[handle.variable_path] = frozenset({0})
+        if op.type != "ReadVariableOp" or not op.outputs:
+            continue
+        tensor = graph.tensors.get(op.outputs[0])
+        if tensor is None or tensor.variable_path is None or not tensor.rank:
+            continue
+        aliases = _aliases_of(op.outputs[0], readers)
+        if any(_gathers_rows(u, aliases, graph) for u in _users_through_aliases(op.outputs[0], readers)):
+            out[tensor.variable_path] = frozenset({0})
+    return out
+
+
+def _aliases_of(name: str, readers: dict[str, list[ir.Op]]) -> set[str]:
+    """``name`` and the tensors that pass it on unchanged (Identity, IdentityN)."""
+    out, work = {name}, [name]
+    while work:
+        for user in readers.get(work.pop(), ()):
+            if user.type in ("Identity", "IdentityN"):
+                fresh = [t for t in user.outputs if t not in out]
+                out.update(fresh)
+                work.extend(fresh)
+    return out
+
+
+def _gathers_rows(op: ir.Op, params: set[str], graph: ir.Graph) -> bool:
+    """Whether ``op`` gathers rows (dim 0) of one of ``params`` (Keras 3: a GatherV2 on the read)."""
+    if op.type != "GatherV2" or not op.inputs or op.inputs[0] not in params:
+        return False
+    axis = graph.tensors[op.inputs[2]].const_value if len(op.inputs) > 2 and op.inputs[2] in graph.tensors else 0
+    return axis in (0, None) or (isinstance(axis, (tuple, list)) and tuple(axis) in ((0,), ()))
+
+
 def _is_recurrent(op: ir.Op) -> bool:
     return op.layer is not None and bool(_RECURRENT_LAYER.search(op.layer)) or op.type in ("While", "StatelessWhile")
 
@@ -342,6 +440,6 @@ def as_target(value: "Target | str") -> Target:
                          "or 'ideal' (every strategy Tofu derives)") from None
 
 
-__all__: Sequence[str] = ("Target", "restrict_provider", "dtensor_lowerable", "pinned_variables", "as_target",
-                          "NO_LAYOUT_PROPAGATION", "UnsupportedOpError", "Unlowerable", "unlowerable_ops",
-                          "check_lowerable")
+__all__: Sequence[str] = ("Target", "AxisRole", "axis_roles", "restrict_provider", "dtensor_lowerable",
+                          "pinned_variables", "unsplit_variable_dims", "as_target", "NO_LAYOUT_PROPAGATION",
+                          "UnsupportedOpError", "Unlowerable", "unlowerable_ops", "check_lowerable")
