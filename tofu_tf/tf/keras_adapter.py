@@ -498,22 +498,6 @@ def keras3_shape_and_dtype(initial_value) -> tuple[tf.TensorShape, tf.DType] | N
     return None
 
 
-def optimizer_built(optimizer) -> bool:
-    """Whether ``optimizer`` has made its variables (its slots), which both Keras versions
-    do at the first training step: Keras 3 sets ``built``; tf-keras sets ``_built`` in
-    ``build`` (absent before), on the inner optimizer of a loss-scale wrapper; a legacy
-    tf-keras optimizer makes ``iterations`` with its slots."""
-    built = getattr(optimizer, "built", None)
-    if built is not None:
-        return bool(built)
-    inner = getattr(optimizer, "inner_optimizer", None)
-    if inner is not None and inner is not optimizer:
-        return optimizer_built(inner)
-    if hasattr(optimizer, "_create_all_weights"):
-        return getattr(optimizer, "_iterations", None) is not None
-    return bool(getattr(optimizer, "_built", False))
-
-
 def optimizer_variables(optimizer) -> list[tf.Variable]:
     return [tf_variable(v) for v in optimizer.variables]
 
