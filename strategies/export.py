@@ -218,17 +218,9 @@ def _compile_like(copy, model) -> None:
     if optimizer is None:
         copy.optimizer = None
         copy._delete_tracking("optimizer")  # pylint: disable=protected-access
-    elif _optimizer_built(optimizer) and not _optimizer_built(copy.optimizer):
+    elif keras_adapter.optimizer_built(optimizer) and not keras_adapter.optimizer_built(copy.optimizer):
         _build_optimizer(copy.optimizer, copy.trainable_variables, framework)
     _build_metrics_like(copy, model)
-
-
-def _optimizer_built(optimizer) -> bool:
-    built = getattr(optimizer, "built", None)                         # Keras 3
-    if isinstance(built, bool):
-        return built
-    inner = getattr(optimizer, "inner_optimizer", optimizer)          # tf-keras: a loss-scale optimizer's inner one
-    return bool(getattr(inner, "_built", False))
 
 
 def _build_optimizer(optimizer, variables, framework: str) -> None:
