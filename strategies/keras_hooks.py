@@ -244,6 +244,57 @@ def update_moving_averages(optimizer) -> bool:
     return True
 
 
+def relayout_gradients(optimizer) -> bool:
+    """Make ``optimizer`` take each dense gradient in its variable's layout.
+
+    DTensor's layout propagation is a fixed point over producers and consumers; where
+    it does not converge it locks what it has, and a kernel gradient's ``Sum`` over
+    the batch can be asked for an output split on another dim than its input (Gemma's
+    MLP kernels under a Megatron plan: input split on the kernel's rows, the optimizer's
+    update asking for its columns). DTensor's reduce expander only splits further
+    (``EmitAllScatter ... was not more sharded than the original_layout``), so the first
+    step fails. An explicit relayout to the variable's layout between the gradient and
+    the update ends the chain of requests there: the ``Sum`` keeps the layout its input
+    gives, and the relayout converts it (an identity where the layouts already agree).
+    Installed on the optimizer instance, so custom training loops that call
+    ``apply_gradients`` themselves get it too. True when it changed the optimizer.
+    """
+    if optimizer is None or getattr(optimizer, "_tofu_relayouts_gradients", False):
+        return False
+    from tensorflow.experimental import dtensor
+
+    def relaid(gradient, variable):
+        layout = getattr(backing_variable(variable), "layout", None)
+        if layout is None or not isinstance(gradient, tf.Tensor):   # None, IndexedSlices, before the plan
+            return gradient
+        return dtensor.relayout(gradient, layout)
+
+    module = type(optimizer).__module__
+    if module.startswith("keras") and hasattr(optimizer, "apply"):        # Keras 3: apply_gradients calls apply
+        apply = optimizer.apply
+
+        def apply_in_variable_layouts(grads, trainable_variables=None):
+            grads = list(grads)
+            # apply(grads) on a built optimizer updates the variables it was built for, in order.
+            variables = trainable_variables if trainable_variables is not None \
+                else optimizer._trainable_variables  # pylint: disable=protected-access
+            if variables is not None and len(variables) == len(grads):
+                grads = [relaid(g, v) for g, v in zip(grads, variables)]
+            return apply(grads, trainable_variables)
+        optimizer.apply = apply_in_variable_layouts
+    elif module.startswith("tf_keras") and hasattr(optimizer, "apply_gradients"):
+        apply_gradients = optimizer.apply_gradients
+
+        def apply_gradients_in_variable_layouts(grads_and_vars, *args, **kwargs):
+            pairs = [(relaid(g, v), v) for g, v in grads_and_vars]
+            return apply_gradients(pairs, *args, **kwargs)
+        optimizer.apply_gradients = apply_gradients_in_variable_layouts
+    else:
+        return False
+    optimizer._tofu_relayouts_gradients = True  # pylint: disable=protected-access
+    return True
+
+
 def summarize_unplanned_weights() -> None:
     """Let tf-keras ``model.summary()`` run before the plan exists.
 

@@ -230,6 +230,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         logging.info("TofuStrategy: planning %s for batch %d on %d %s devices", model.name, batch_size,
                      self._devices.count, self._devices.device_type)
         self._prepare(model)
+        if not isinstance(optimizer, str):       # a custom loop's own optimizer
+            keras_hooks.relayout_gradients(optimizer)
         self._plan_names = keras_adapter.weight_paths(model)
         start = time.perf_counter()
         with self._creating_plain_variables():
@@ -251,6 +253,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             logging.info("TofuStrategy: optimizer %s was created outside strategy.scope(); it now updates "
                          "through the strategy as if created inside", getattr(optimizer, "name", optimizer))
         keras_adapter.defer_slot_zeros(optimizer)
+        keras_hooks.relayout_gradients(optimizer)
         if keras_hooks.update_moving_averages(optimizer):
             logging.info("TofuStrategy: optimizer %s: use_ema moving averages updated after each step (tf-keras' "
                          "DTensor path skips them)", optimizer.name)

@@ -79,7 +79,14 @@ from the strategy (``relayout_layer_inputs``), other contractions
 tensor whose size depends on the data (splitting one leaves each shard with no
 rows; gathering one aborts the process). An Embedding's deduplicated sparse
 gradient is such a tensor; ``TofuVariable.sparse_read`` lays its gradient out
-like the table before the rows are deduplicated, so none is needed.
+like the table before the rows are deduplicated, so none is needed. And
+where propagation gives up inside a backward pass with weights split
+Megatron-style (Gemma's MLP: a kernel gradient's ``Sum`` over the batch asked
+for the kernel's column split while its input carries the row split), the
+reduce expander refuses as above; every dense gradient reaches the optimizer
+through an explicit relayout to its variable's layout
+(``strategies.keras_hooks.relayout_gradients``), which ends the requests
+there.
 
 The search applies a target as a wrapper around the strategy provider, a set of
 variables pinned to replication, the dims of others no axis splits and the roles
