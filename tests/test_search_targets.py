@@ -233,3 +233,36 @@ def test_dtensor_plans_keep_an_embedding_table_whole_by_rows():
     plan = plan_graph(graph, num_devices=8, hardware="cpu-virtual", objective="memory")
     rows, features = plan.variable_layouts["table/embeddings"]
     assert rows is None and features is not None, plan.variable_layouts
+
+
+# -- the batch on a model axis ----------------------------------------------------
+
+def test_a_model_axis_splits_no_dim_that_carries_the_batch():
+    """With the batch inputs whole, DTensor splits no activation along the batch (nothing
+    it propagates from asks for it); the planner used to price such a split as a free
+    local slice and the op's work divided by the axis, a data parallelism that never ran."""
+    index = GraphIndex(mlp_graph(), stub_strategies)
+    dims = index.batch_dims(4)
+    assert dims["x:0"] == {0} and all(dims[t] == {0} for t in dims)
+    model = ProblemBuilder(index, (), 4, H100_NVLINK.intra_node, role=AxisRole.MODEL).build()
+    free = ProblemBuilder(index, (), 4, H100_NVLINK.intra_node, role=AxisRole.ANY).build()
+    def strategies(problem):
+        node = {node.name: node for node in problem.nodes}["dense_0/matmul"]
+        return {o.strategies[0].name for o in node.options}
+    assert strategies(model) == {"replicate", "j", "k(reduce)"}
+    assert strategies(free) == {"replicate", "i", "j", "k(reduce)"}
+
+
+@pytest.mark.parametrize("hardware", ["cpu-virtual", "h100-nvlink"])
+def test_a_small_cnn_is_planned_data_parallel(hardware):
+    """Before: every plan of this CNN kept its input whole on every axis (and priced its
+    convolutions split anyway), so it ran fully replicated."""
+    from strategies import keras_hooks
+    from tofu_tf import models
+    from tofu_tf.tf.capture import capture_training_step
+    model = models.cnn(image_size=32, channels=32)
+    keras_hooks.prepare_for_dtensor(model)      # BatchNorm unfused, as TofuStrategy trains it
+    graph = capture_training_step(model, batch_size=256, loss="sparse_categorical_crossentropy", optimizer="sgd")
+    plan = plan_graph(graph, num_devices=8, hardware=hardware)
+    assert "batch" in dict(plan.mesh_axes), plan.mesh_axes
+    assert all(layout[0] == "batch" for layout in plan.input_layouts.values()), plan.input_layouts

@@ -167,6 +167,7 @@ class GraphIndex:
             self.tied_outputs[q] = tuple(sorted(set(self.tied_outputs.get(q, ())) | {k}))
         self.peak_live = self._peak_live(liveness)
         self._strategy_cache: dict[tuple[str, int], tuple[OpStrategy, ...]] = {}
+        self._batch_dims_cache: dict[int, dict[str, frozenset[int]]] = {}
         self._tied_cache: dict[tuple, OpStrategy | None] = {}
         self._group_cache: dict[tuple, dict[str, OpStrategy] | None] = {}
         self.matrix_cache: dict[tuple, np.ndarray] = {}   # transfer tables, by value (splits, bytes, n, link)
@@ -456,6 +457,37 @@ class GraphIndex:
                 tuple(split_of(tensors[t], split) for t in op.outputs))
             self._tied_cache[key] = next((s for s in self.strategies(op_name, n) if same_splits(s, wanted)), None)
         return self._tied_cache[key]
+
+    def batch_dims(self, n: int) -> dict[str, frozenset[int]]:
+        """Per tensor, the dims that carry the batch: dim 0 of every batch input and, op by op,
+        the dims a strategy splits in its outputs when every tensor it splits in its inputs is
+        split on such a dim (made for axes of ``n`` devices, whose strategies it reads)."""
+        cached = self._batch_dims_cache.get(n)
+        if cached is not None:
+            return cached
+        tensors = self.graph.tensors
+        dims: dict[str, set[int]] = {}
+        for name in self.input_ops:
+            out = self.ops[name].outputs[0]
+            if tensors[out].rank:
+                dims[out] = {0}
+        for op in self.graph.ops:
+            if op.name in self.alias_ops:
+                for t_in, t_out in zip(op.inputs, op.outputs):
+                    if t_in in dims:
+                        dims.setdefault(t_out, set()).update(dims[t_in])
+                continue
+            if op.name not in self._plain_set or not any(t in dims for t in op.inputs):
+                continue
+            for strategy in self.strategies(op.name, n):
+                split = [(t, s.dim) for t, s in zip(op.inputs, strategy.inputs) if s.dim is not None]
+                if split and all(d in dims.get(t, ()) for t, d in split):
+                    for t, s in zip(op.outputs, strategy.outputs):
+                        if s.dim is not None:
+                            dims.setdefault(t, set()).add(s.dim)
+        out = {t: frozenset(d) for t, d in dims.items()}
+        self._batch_dims_cache[n] = out
+        return out
 
     def strategies(self, op_name: str, n: int) -> tuple[OpStrategy, ...]:
         key = (op_name, n)

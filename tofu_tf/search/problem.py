@@ -354,8 +354,11 @@ class ProblemBuilder:
     def _op_options(self, name: str) -> list[Option]:
         op = self.index.ops[name]
         options = []
+        batch_dims = self.index.batch_dims(self.n) if self.role is AxisRole.MODEL else None
         for strategy in self.index.strategies(name, self.n):
             if not self._strategy_legal(name, strategy):
+                continue
+            if batch_dims is not None and _splits_the_batch(op, strategy, batch_dims):
                 continue
             memory = 0.0
             for i, t in enumerate(op.outputs):
@@ -453,6 +456,17 @@ class ProblemBuilder:
             pair_costs[u, v] = pair_costs[u, v] + matrix
         else:
             pair_costs[u, v] = matrix
+
+
+def _splits_the_batch(op, strategy: OpStrategy, batch_dims: Mapping[str, frozenset[int]]) -> bool:
+    """Whether ``strategy`` splits a tensor of ``op`` on a dim that carries the batch. On a
+    model axis the batch inputs are whole, and DTensor splits an activation only as its
+    operands arrive split: such a split, priced as a free local slice, would run whole."""
+    for names, splits in ((op.inputs, strategy.inputs), (op.outputs, strategy.outputs)):
+        for name, split in zip(names, splits):
+            if split.dim is not None and split.dim in batch_dims.get(name, ()):
+                return True
+    return False
 
 
 def _grad_choices(strategy: OpStrategy, tied: Sequence[int]) -> list[tuple[tuple[int, TensorSplit], ...]]:

@@ -38,7 +38,11 @@ machines:
   expander only splits further (``EmitAllScatter ... was not more sharded than
   the original_layout``): the first step fails at an RMSNorm scale's gradient
   (Gemma, Llama, Mistral) or a LayerNorm's mean (GPT-2). The same weight layouts
-  train with the batch whole on their axis;
+  train with the batch whole on their axis. On a model axis no op splits a dim that
+  carries the batch (``GraphIndex.batch_dims``): with the batch inputs whole,
+  nothing DTensor propagates from asks for that split, so the op would run whole,
+  and pricing it as a free local slice and a divided work priced a data
+  parallelism that never ran;
 * a table that a gather reads by rows (an Embedding) is never split on its rows
   (``unsplit_variable_dims``): DTensor's ResourceGather refuses a sharded dim 0
   ("DTensor does not support sharded 0th dimension for the resource tensor"),
