@@ -266,3 +266,23 @@ def test_a_small_cnn_is_planned_data_parallel(hardware):
     plan = plan_graph(graph, num_devices=8, hardware=hardware)
     assert "batch" in dict(plan.mesh_axes), plan.mesh_axes
     assert all(layout[0] == "batch" for layout in plan.input_layouts.values()), plan.input_layouts
+
+
+def test_a_keras_hub_resnet_is_planned_data_parallel_on_virtual_cpus():
+    """keras-hub's ResNet classifier planned 0 of its 32 weights sharded and no batch split:
+    all 8 virtual CPUs computed the whole step (8x the host's work on shared cores)."""
+    import keras
+    import keras_hub
+    import tensorflow as tf
+    from tofu_tf.tf.capture import capture_training_step
+    backbone = keras_hub.models.ResNetBackbone(
+        input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64, 32],
+        stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], block_type="basic_block",
+        use_pre_activation=False, image_shape=(32, 32, 3))
+    model = keras_hub.models.ResNetImageClassifier(backbone=backbone, num_classes=10, preprocessor=None)
+    graph = capture_training_step(model, batch_size=8, optimizer="adam",
+                                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                                  features=tf.TensorSpec((8, 32, 32, 3)), labels=tf.TensorSpec((8,), tf.int32))
+    plan = plan_graph(graph, num_devices=8, hardware="cpu-virtual")
+    assert dict(plan.mesh_axes) == {"batch": 8}, plan.mesh_axes
+    assert all(layout[0] == "batch" for layout in plan.input_layouts.values()), plan.input_layouts
