@@ -18,6 +18,7 @@ import types
 import tensorflow as tf
 
 from strategies import export as export_lib
+from tofu_tf.tf import keras_adapter
 
 _MAX_DEPTH = 4
 
@@ -73,7 +74,10 @@ def _calling_frames(max_frames: int):
 
 def _is_model(obj) -> bool:
     # Not ``inputs``: a subclassed Keras 3 model has no such attribute.
-    return hasattr(obj, "train_step") and hasattr(obj, "trainable_variables") and callable(getattr(obj, "fit", None))
+    # Looked up on the class: an unbuilt tf-keras model's trainable_variables raises ValueError
+    # ("Weights for model 'linear_model' have not yet been created"), which hasattr lets through.
+    kind = type(obj)
+    return hasattr(kind, "train_step") and hasattr(kind, "trainable_variables") and callable(getattr(kind, "fit", None))
 
 
 def _search(obj, depth, seen):
@@ -286,7 +290,7 @@ def relayout_gradients(optimizer) -> bool:
         apply_gradients = optimizer.apply_gradients
 
         def apply_gradients_in_variable_layouts(grads_and_vars, *args, **kwargs):
-            pairs = [(relaid(g, v), v) for g, v in grads_and_vars]
+            pairs = [(relaid(keras_adapter.legacy_dense_gradient(optimizer, g, v), v), v) for g, v in grads_and_vars]
             return apply_gradients(pairs, *args, **kwargs)
         optimizer.apply_gradients = apply_gradients_in_variable_layouts
     else:

@@ -459,7 +459,11 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         return self._placer().place(value)
 
     def _update(self, var, fn, args, kwargs, group):
-        return fn(var, *args, **kwargs)
+        """``extended.update`` in the global view: the one global variable updated once.
+        tf-keras's legacy optimizers update every weight through it. Ungrouped, each result
+        comes as its local results (one: the global value), as every strategy returns them."""
+        result = fn(var, *args, **(kwargs or {}))
+        return result if group else tf.nest.map_structure(lambda value: (value,), result)
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         return value
@@ -606,6 +610,8 @@ def _initial_shape(initial_value, shape):
         return tf.TensorShape(shape)
     if isinstance(initial_value, functools.partial) and initial_value.args and initial_value.args[0] is not None:
         return tf.TensorShape(initial_value.args[0])  # (a checkpoint's save_counter passes shape None)
+    if isinstance(initial_value, functools.partial) and initial_value.keywords.get("shape") is not None:
+        return tf.TensorShape(initial_value.keywords["shape"])   # a legacy tf-keras optimizer's slot
     inner = getattr(initial_value, "shape", None)
     if inner is not None:
         return tf.TensorShape(inner)

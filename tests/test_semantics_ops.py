@@ -695,6 +695,31 @@ def variable(d: Draw, op_type: str) -> Case:
                 num_parts=d.parts())
 
 
+# Fused optimizer updates (tf-keras's legacy optimizers): the input count and the gradient's position.
+_FUSED = {"ResourceApplyGradientDescent": (3, 2), "ResourceApplyProximalGradientDescent": (5, 4),
+          "ResourceApplyKerasMomentum": (5, 3), "ResourceApplyMomentum": (5, 3), "ResourceApplyAdagrad": (4, 3),
+          "ResourceApplyAdagradV2": (5, 4), "ResourceApplyProximalAdagrad": (6, 5), "ResourceApplyAdam": (10, 9),
+          "ResourceApplyAdaMax": (9, 8), "ResourceApplyAdadelta": (7, 6), "ResourceApplyRMSProp": (8, 7),
+          "ResourceApplyFtrl": (8, 3), "ResourceApplyFtrlV2": (9, 3), "ResourceApplyCenteredRMSProp": (9, 8),
+          "ResourceApplyAdamWithAmsgrad": (11, 10)}
+
+
+def fused_update(d: Draw, op_type: str) -> Case:
+    """The weight and slots as variables (slots positive: square roots of accumulators, and a centered
+    RMSProp's mean square above its squared mean), hyperparameters in (0.1, 0.9), Ftrl's power -0.5."""
+    count, grad_at = _FUSED[op_type]
+    written = state_ops.FUSED_UPDATES[op_type]
+    shape = d.shape(0, 3)
+    inputs = [d.floats(shape)] + [d.floats(shape, 0.5, 1.5) for _ in range(written - 1)]
+    if op_type == "ResourceApplyCenteredRMSProp":
+        inputs[1], inputs[2] = d.floats(shape, -0.2, 0.2), d.floats(shape, 1.0, 2.0)
+    for position in range(written, count):
+        inputs.append(d.floats(shape) if position == grad_at else np.array(d.pick((0.1, 0.3, 0.5, 0.9)), F32))
+    if op_type.startswith("ResourceApplyFtrl"):
+        inputs[-1] = np.array(-0.5, F32)
+    return Case(op_type, tuple(inputs), variables=frozenset(range(written)), num_parts=d.parts())
+
+
 def shape_op(d: Draw, op_type: str) -> Case:
     if op_type == "StatelessRandomGetKeyCounter":
         return Case(op_type, (np.array([d.int(0, 9), d.int(0, 9)], np.int32),), num_parts=d.parts())
@@ -771,6 +796,7 @@ def _table() -> dict:
     table.update(dict.fromkeys(("StridedSlice", "StridedSliceGrad"), strided_slice))
     table.update(dict.fromkeys(("ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
                                 "VarHandleOp", "VarIsInitializedOp", "VariableShape"), variable))
+    table.update(dict.fromkeys(state_ops.FUSED_UPDATES, fused_update))
     table.update(dict.fromkeys(("Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs", "ConcatOffset",
                                 "StatelessRandomGetKeyCounter"), shape_op))
     table.update(dict.fromkeys(("Placeholder", "Fill", "Range") + state_ops.GENERATORS, generator))

@@ -67,8 +67,12 @@ minimal DTensor reproducer in ``tests/test_dtensor_expanders.py``:
 * ops with no layout propagation at all (``NO_LAYOUT_PROPAGATION``: the linear
   algebra of ``tf.linalg.svd``, ``det``, ``inv``, ``eigh``, ``solve``, the
   matrix band/diagonal ops, ``cumprod``, ``bincount`` and Python functions,
-  ``tf.py_function`` and ``tf.numpy_function``): DTensor refuses them even
-  replicated.
+  ``tf.py_function`` and ``tf.numpy_function``, and the fused updates of some of
+  tf-keras's legacy optimizers: Adadelta, Adamax, Ftrl, RMSprop with momentum,
+  Adam with amsgrad, the proximal ones): DTensor refuses them even replicated. The
+  legacy SGD, Adam, Adagrad and centered RMSprop updates (``ResourceApplyKerasMomentum``,
+  ``ResourceApplyAdam``, ``ResourceApplyAdagradV2``, ``ResourceApplyCenteredRMSProp``)
+  run, each with its weight and slots in one layout (``tofu_tf.tf.lowering.dtensor_natural``).
 
 Either is refused only when it computes on the step's data: DTensor folds an op
 on constants (a causal mask's ``band_part``) before it expands anything.
@@ -128,7 +132,18 @@ class Target(enum.Enum):
 NO_LAYOUT_PROPAGATION = frozenset({
     "Svd", "MatrixDeterminant", "LogMatrixDeterminant", "MatrixInverse", "SelfAdjointEigV2",
     "MatrixSolve", "MatrixTriangularSolve", "MatrixBandPart", "MatrixDiagPartV3", "MatrixDiagV3",
-    "MatrixSetDiagV3", "Cumprod", "DenseBincount", "EagerPyFunc", "PyFunc", "PyFuncStateless"})
+    "MatrixSetDiagV3", "Cumprod", "DenseBincount", "EagerPyFunc", "PyFunc", "PyFuncStateless"}
+    | {"ResourceApplyProximalGradientDescent", "ResourceApplyAdagrad", "ResourceApplyProximalAdagrad",
+       "ResourceApplyAdaMax", "ResourceApplyAdadelta", "ResourceApplyRMSProp", "ResourceApplyFtrl",
+       "ResourceApplyFtrlV2", "ResourceApplyAdamWithAmsgrad"})
+# The fused updates of tf-keras's legacy optimizers that DTensor cannot run, by the optimizer
+# that emits each (the new optimizer of the same name computes its update from plain ops).
+_LEGACY_UPDATE_OF = {
+    "ResourceApplyProximalGradientDescent": "ProximalGradientDescent", "ResourceApplyAdagrad": "Adagrad",
+    "ResourceApplyProximalAdagrad": "ProximalAdagrad", "ResourceApplyAdaMax": "Adamax",
+    "ResourceApplyAdadelta": "Adadelta", "ResourceApplyRMSProp": "RMSprop (with momentum)",
+    "ResourceApplyFtrl": "Ftrl", "ResourceApplyFtrlV2": "Ftrl (with l2_shrinkage)",
+    "ResourceApplyAdamWithAmsgrad": "Adam (amsgrad=True)"}
 _PYTHON_FUNCTIONS = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})
 # What a user wrote to get each op (its forward or its gradient).
 _WRITTEN_AS = {
@@ -280,6 +295,10 @@ def _unlowerable(graph: ir.Graph) -> Iterator[Unlowerable]:
 
 
 def _remedy(op_type: str) -> str:
+    if op_type in _LEGACY_UPDATE_OF:
+        name = _LEGACY_UPDATE_OF[op_type]
+        return (f"it is the fused update of tf_keras.optimizers.legacy.{name}; use the new optimizer, "
+                f"tf_keras.optimizers.{name.split(' ')[0]} (tf-keras's default), whose update DTensor runs")
     if op_type in _PYTHON_FUNCTIONS:
         return ("write the layer with TensorFlow ops: a Python function runs outside the graph DTensor "
                 "expands (and its gradient has no static shape)")

@@ -144,7 +144,7 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
                 for var, grad in zip(trainable, grads):
                     if grad is not None:
                         gradient_box[grad.name] = weight_names[id(keras_adapter.tf_variable(var))]
-                opt.apply_gradients(zip(grads, trainable))
+                keras_adapter.apply_gradients_for_capture(opt, zip(grads, trainable))
             return step_loss
         return train_step
 

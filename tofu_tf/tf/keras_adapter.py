@@ -292,6 +292,12 @@ def fresh_optimizer(framework: str, optimizer):
     Tracing builds an optimizer (it creates slots); doing that to the user's
     own optimizer would leave it holding capture-time placeholders.
     """
+    if isinstance(optimizer, (list, tuple)) or type(optimizer).__name__ == "ListWrapper":
+        names = ", ".join(type(o).__name__ for o in optimizer)
+        raise UnsupportedModelError(
+            f"the model is compiled with {len(optimizer)} optimizers ({names}; tf-keras's WideDeepModel "
+            "takes one per sub-model), and TofuStrategy plans a training step with one optimizer. Compile it "
+            "with a single optimizer, which then updates every weight.")
     optimizer = keras_module(framework).optimizers.get(optimizer)
     return optimizer.__class__.from_config(optimizer.get_config())
 
@@ -378,6 +384,10 @@ def recording_slots(optimizer, *, defer_zeros: bool = False) -> Iterator[list[Sl
     slot to weight.
     """
     records: list[SlotRecord] = []
+    if is_legacy_optimizer(optimizer):
+        with _recording_legacy_slots(optimizer, records):
+            yield records
+        return
     original = optimizer.add_variable_from_reference
 
     def wrapper(*args, **kwargs):
@@ -395,6 +405,87 @@ def recording_slots(optimizer, *, defer_zeros: bool = False) -> Iterator[list[Sl
         del optimizer.add_variable_from_reference
 
 
+def is_legacy_optimizer(optimizer) -> bool:
+    """A tf-keras legacy optimizer (``tf_keras.optimizers.legacy``: ``OptimizerV2``), which makes
+    its slots with ``add_slot`` and updates each weight with one fused op (``ResourceApplyAdam``)."""
+    if optimizer is None or not type(optimizer).__module__.startswith("tf_keras"):
+        return False
+    import tf_keras
+    return isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer)
+
+
+def legacy_dense_gradient(optimizer, gradient, variable):
+    """A legacy optimizer's sparse (Embedding) gradient as the dense one it equals, or an error.
+
+    A legacy optimizer updates a sparse gradient through ``ResourceScatterAdd`` or a fused
+    sparse op on the variable's handle, which DTensor cannot run. Where the dense update of
+    the densified gradient is the same update (plain SGD: zero rows move nothing; Adagrad:
+    a zero row adds nothing to its accumulator and takes no step), the gradient is
+    densified. Elsewhere the sparse update touches only the gathered rows while the dense
+    one would move every row (momentum and running averages decay): refused, naming the
+    weight and the optimizer to use.
+    """
+    if not isinstance(gradient, tf.IndexedSlices) or not is_legacy_optimizer(optimizer):
+        return gradient
+    import tf_keras
+    legacy = tf_keras.optimizers.legacy
+    exact = (isinstance(optimizer, legacy.SGD) and not optimizer._momentum  # pylint: disable=protected-access
+             or isinstance(optimizer, legacy.Adagrad))
+    if not exact:
+        raise NotImplementedError(
+            f"TofuStrategy: {type(optimizer).__name__} (tf_keras.optimizers.legacy) updates "
+            f"{variable_path(variable)!r} from a sparse (Embedding) gradient with an op DTensor cannot run, "
+            f"and its dense update would move rows the sparse one leaves alone. Use the new optimizer, "
+            f"tf_keras.optimizers.{type(optimizer).__name__}, which DTensor runs.")
+    return tf.convert_to_tensor(gradient)
+
+
+def apply_gradients_for_capture(optimizer, grads_and_vars):
+    """``optimizer.apply_gradients(grads_and_vars)`` as capture traces it: one device's update.
+
+    A legacy optimizer refuses to apply in cross-replica context, which is where capture
+    traces under ``strategy.scope()`` (there is no replica to run in before the plan). Its
+    ``apply_gradients`` then runs, for one device, exactly this: slots made, gradients
+    transformed (clipping), each weight updated by ``_distributed_apply`` through the
+    current strategy's ``extended.update``. Other optimizers apply as they are.
+    """
+    if not is_legacy_optimizer(optimizer):
+        return optimizer.apply_gradients(grads_and_vars)
+    # pylint: disable=protected-access
+    grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+    var_list = [v for _, v in grads_and_vars]
+    with tf.name_scope(optimizer._name):
+        with tf.init_scope():
+            optimizer._create_all_weights(var_list)
+        apply_state = optimizer._prepare(var_list)
+        grads_and_vars = optimizer._transform_unaggregated_gradients(grads_and_vars)
+        grads_and_vars = optimizer._transform_gradients(grads_and_vars)
+        return optimizer._distributed_apply(tf.distribute.get_strategy(), grads_and_vars, apply_state, None)
+
+
+@contextlib.contextmanager
+def _recording_legacy_slots(optimizer, records: list[SlotRecord]) -> Iterator[None]:
+    """``recording_slots`` for a legacy optimizer: its slots come from ``add_slot(var, slot_name, ...)``.
+    Their initial value is ``functools.partial(initializer, shape=..., dtype=...)``: a variable
+    creator reads the shape from it without computing it."""
+    original = optimizer.add_slot
+
+    seen: set[int] = set()
+
+    def wrapper(var, slot_name, *args, **kwargs):
+        slot = original(var, slot_name, *args, **kwargs)      # returns the existing slot when asked again
+        if id(slot) not in seen:
+            seen.add(id(slot))
+            records.append(SlotRecord(slot=tf_variable(slot), weight=tf_variable(var), slot_name=str(slot_name)))
+        return slot
+
+    optimizer.add_slot = wrapper
+    try:
+        yield
+    finally:
+        del optimizer.add_slot
+
+
 def defer_slot_zeros(optimizer) -> None:
     """Make a tf-keras optimizer hand its zero-initialized slots a ``DeferredZeros``.
 
@@ -404,8 +495,8 @@ def defer_slot_zeros(optimizer) -> None:
     """
     if optimizer is None or getattr(optimizer, "_tofu_defers_zeros", False):
         return
-    if not type(optimizer).__module__.startswith("tf_keras"):
-        return
+    if not type(optimizer).__module__.startswith("tf_keras") or is_legacy_optimizer(optimizer):
+        return                  # a legacy optimizer's slot initial values are shape-carrying partials
     original = optimizer.add_variable_from_reference
 
     def wrapper(*args, **kwargs):
@@ -499,7 +590,10 @@ def keras3_shape_and_dtype(initial_value) -> tuple[tf.TensorShape, tf.DType] | N
 
 
 def optimizer_variables(optimizer) -> list[tf.Variable]:
-    return [tf_variable(v) for v in optimizer.variables]
+    variables = optimizer.variables
+    if callable(variables):                 # a legacy tf-keras optimizer's is a method
+        variables = variables()
+    return [tf_variable(v) for v in variables]
 
 
 def model_variables(model) -> list:

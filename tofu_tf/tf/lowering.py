@@ -89,7 +89,13 @@ def dtensor_natural(variable_layouts: Mapping[str, tuple]) -> dict[str, tuple]:
     * normalization parameters stay replicated;
     * an embedding table is not split on its vocabulary rows (DTensor's
       ResourceGather refuses a sharded dim 0).
-    Slots (``.../m/<path>``) follow their weight's adjusted layout.
+    Slots follow their weight's adjusted layout: Keras 3 and tf-keras name them
+    ``<optimizer>/<slot>/<weight path>`` (``Adam/m/dense/kernel``), tf-keras's legacy
+    optimizers ``<optimizer>/<weight path>/<slot>`` (``SGD/dense/bias/momentum``). A
+    legacy optimizer updates a weight and its slots in one fused op
+    (``ResourceApplyKerasMomentum``), and DTensor's expander for it does not relayout
+    a slot laid out otherwise than its weight: the process dies (segfault; reproducer in
+    ``tests/test_dtensor_expanders.py``).
     """
     adjusted = dict(variable_layouts)
     for path, layout in variable_layouts.items():
@@ -101,4 +107,18 @@ def dtensor_natural(variable_layouts: Mapping[str, tuple]) -> dict[str, tuple]:
             adjusted[path] = (None,) * len(layout)
         elif leaf == "embeddings" and layout:
             adjusted[path] = (None,) + tuple(layout[1:])
+    for path, layout in variable_layouts.items():
+        weight = _weight_of_slot(path, layout, variable_layouts)
+        if weight is not None:
+            adjusted[path] = adjusted[weight]
     return adjusted
+
+
+def _weight_of_slot(path: str, layout: tuple, variable_layouts: Mapping[str, tuple]) -> str | None:
+    """The weight whose slot ``path`` is, by the optimizers' slot names; None for a weight."""
+    parts = path.split("/")
+    for candidate in ("/".join(parts[2:]), "/".join(parts[1:-1])):
+        if candidate and candidate != path and len(variable_layouts.get(candidate, ())) == len(layout) \
+                and candidate in variable_layouts:
+            return candidate
+    return None

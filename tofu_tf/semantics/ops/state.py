@@ -4,6 +4,10 @@ simply run whole.
 * Variables: a read or an update is element-wise on the variable's value
   (``&`` in the text form), so a variable splits like any tensor; a resource
   input's shape is the variable's.
+* Fused optimizer updates (``ResourceApplyAdam`` and its kin, what tf-keras's
+  legacy optimizers run): every variable they write and the gradient are read
+  at the same element, the hyperparameters are scalars; so each written
+  variable's element is a function of the same elements of the others.
 * Shape ops read only static shapes (``~``): their inputs may have any layout
   and their outputs are metadata. Ops that compute index vectors from shape
   vectors (BroadcastGradientArgs; ConcatOffset, the begins of the slices that
@@ -60,6 +64,40 @@ def assign(op: OpView):
         if op.type == "AssignVariableOp":
             return (Update(var, lambda *idx: value[idx], names(rank)),)
         return (Update(var, lambda *idx: combine(var[idx], value[idx]), names(rank)),)
+    return program
+
+
+# Fused optimizer updates: the op type -> how many leading inputs are the variables it writes
+# (the weight, then its slots). Every other input is the gradient (the weight's shape) or a
+# scalar hyperparameter, as TF's raw_ops define them.
+FUSED_UPDATES = {
+    "ResourceApplyGradientDescent": 1, "ResourceApplyProximalGradientDescent": 1,
+    "ResourceApplyKerasMomentum": 2, "ResourceApplyMomentum": 2, "ResourceApplyAdagrad": 2,
+    "ResourceApplyAdagradV2": 2, "ResourceApplyProximalAdagrad": 2, "ResourceApplyAdam": 3,
+    "ResourceApplyAdaMax": 3, "ResourceApplyAdadelta": 3, "ResourceApplyRMSProp": 3, "ResourceApplyFtrl": 3,
+    "ResourceApplyFtrlV2": 3, "ResourceApplyCenteredRMSProp": 4, "ResourceApplyAdamWithAmsgrad": 4,
+}
+
+
+def fused_update(op: OpView):
+    """var_k[i..] = f_k(var_0[i..], .., grad[i..], scalars[]) for each variable k it writes"""
+    written = FUSED_UPDATES[op.type]
+    shape = op.input_shapes[0]
+    if shape is None or any(s is None for s in op.input_shapes):
+        return conservative(op, "unknown variable shape")
+    for position, other in enumerate(op.input_shapes):
+        if other != shape and len(other) != 0:
+            return conservative(op, f"input {position} is neither the variable's shape nor a scalar")
+    rank = len(shape)
+    op_type = op.type
+
+    def program(*inputs):
+        def value(position):
+            def element(*idx):
+                read = [x[idx] if len(x.shape) else x[()] for x in inputs]
+                return Apply(f"{op_type}:{position}", *read)
+            return element
+        return tuple(Update(inputs[k], value(k), names(rank)) for k in range(written))
     return program
 
 
@@ -122,6 +160,8 @@ def register(registry) -> None:
     for op_type in ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"):
         registry.register(op_type, family=Family.VARIABLE)(assign)
     registry.register("VarHandleOp", family=Family.VARIABLE)(var_handle)
+    for op_type in FUSED_UPDATES:
+        registry.register(op_type, family=Family.VARIABLE)(fused_update)
     registry.register("VarIsInitializedOp", family=Family.VARIABLE)(shape_op)
     registry.register("VariableShape", family=Family.SHAPE)(shape_op)
     for op_type in ("Shape", "ShapeN", "Size", "Rank"):
