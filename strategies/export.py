@@ -227,6 +227,9 @@ def _build_optimizer(optimizer, variables, framework: str) -> None:
     """Make the optimizer's slots as its first ``apply_gradients`` makes them: under its
     name scope (tf-keras names a slot ``Adam/m/dense/kernel``); a loss-scale optimizer
     applies through its inner optimizer, whose scope that is."""
+    if keras_adapter.is_legacy_optimizer(optimizer):
+        keras_adapter.build_legacy_optimizer(optimizer, variables)
+        return
     name = getattr(optimizer, "inner_optimizer", optimizer).name
     if framework == "tf_keras":
         with tf.name_scope(name or "optimizer"), tf.init_scope():

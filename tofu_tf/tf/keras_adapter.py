@@ -414,6 +414,15 @@ def is_legacy_optimizer(optimizer) -> bool:
     return isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer)
 
 
+def build_legacy_optimizer(optimizer, variables) -> None:
+    """Make a legacy optimizer's state (step counter, hyperparameters, slots) as its first
+    ``apply_gradients`` makes it: under its name scope, outside any function."""
+    with tf.init_scope():
+        optimizer.iterations               # pylint: disable=pointless-statement  (made on first read, unscoped)
+    with tf.name_scope(optimizer._name), tf.init_scope():  # pylint: disable=protected-access
+        optimizer._create_all_weights(list(variables))     # pylint: disable=protected-access
+
+
 def legacy_dense_gradient(optimizer, gradient, variable):
     """A legacy optimizer's sparse (Embedding) gradient as the dense one it equals, or an error.
 
@@ -678,6 +687,8 @@ def ensure_tf_keras_seeded() -> int | None:
 def optimizer_built(optimizer) -> bool:
     """Whether ``optimizer`` has made its slots (Keras 3 ``built``, tf-keras ``_built``)."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if is_legacy_optimizer(inner):              # makes its state at its first apply_gradients
+        return bool(inner.variables())
     return bool(getattr(inner, "built", False) or getattr(inner, "_built", False))
 
 

@@ -1,0 +1,76 @@
+"""tf-keras's save/load harness for distribution strategies, with TofuStrategy.
+
+tf-keras ships ``tf_keras/src/distribute/saved_model_test_base.py`` (the base of its
+``keras_save_load_test.py`` and ``saved_model_save_load_test.py``) and the simple
+functional, sequential and subclassed models those tests save
+(``simple_models.py``). Each case trains a model for 100 steps, predicts, saves it
+(``model.save`` in the TF SavedModel format, or ``tf.saved_model.save``), loads it
+with or without a strategy and predicts again: the predictions must agree. The
+loaders below follow the two upstream test files (keras-team/tf-keras); the
+harness itself is used as installed.
+"""
+
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+from tf_keras.src.distribute import saved_model_test_base as harness
+from tf_keras.src.distribute import simple_models
+
+from strategies import TofuStrategy
+
+MODELS = {"functional": simple_models.SimpleFunctionalModel, "sequential": simple_models.SimpleSequentialModel,
+          "subclass": simple_models.SimpleSubclassModel}
+
+
+class _KerasSaveLoad(harness.TestSavedModelBase):
+    """keras_save_load_test: ``model.save(dir)``, ``keras.models.load_model(dir)``, ``predict``."""
+
+    def _save_model(self, model, saved_dir):
+        model.save(saved_dir, save_format="tf")
+
+    def _load_and_run_model(self, distribution, saved_dir, predict_dataset, output_name="output_1"):
+        restored = keras.models.load_model(saved_dir)
+        return restored.predict(predict_dataset, steps=harness.PREDICT_STEPS)
+
+
+class _SavedModelSaveLoad(harness.TestSavedModelBase):
+    """saved_model_save_load_test: ``tf.saved_model.save``, ``tf.saved_model.load``, the
+    serving signature."""
+
+    def _save_model(self, model, saved_dir):
+        tf.saved_model.save(model, saved_dir)
+
+    def _load_and_run_model(self, distribution, saved_dir, predict_dataset, output_name="output_1"):
+        return harness.load_and_run_with_saved_model_api(distribution, saved_dir, predict_dataset, output_name)
+
+
+@pytest.fixture(params=[_KerasSaveLoad, _SavedModelSaveLoad], ids=["model_save", "saved_model_save"])
+def case(request, tmp_path):
+    test = request.param("run_test_save_strategy_restore_no_strategy")
+    test.get_temp_dir = lambda: str(tmp_path)
+    test.setUp()
+    yield test
+    test.tearDown()
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("save_in_scope", [False, True])
+def test_saved_under_tofu_restored_on_one_device(case, model, save_in_scope):
+    case.run_test_save_strategy_restore_no_strategy(MODELS[model](), TofuStrategy(8), save_in_scope)
+
+
+# Not yet: what is loaded under TofuStrategy's scope without Keras rebuilding a Keras model from its
+# config (tf.saved_model.load's revived objects; keras.models.load_model of a subclassed model, revived
+# from its traced functions) has no model for the strategy to plan: its variables wait for a plan no
+# fit/predict of a Keras model starts, and the revived functions read them unplanned ("In[1] is not a
+# matrix"), or the revived call has only its traced dynamic shapes (DynamicShapeError).
+_NO_MODEL_TO_PLAN = {("saved_model_save", "functional"), ("saved_model_save", "sequential"),
+                     ("saved_model_save", "subclass"), ("model_save", "subclass")}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_saved_on_one_device_restored_under_tofu(case, model, request):
+    flavor = "model_save" if isinstance(case, _KerasSaveLoad) else "saved_model_save"
+    if (flavor, model) in _NO_MODEL_TO_PLAN:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="a revived SavedModel has no Keras model to plan"))
+    case.run_test_save_no_strategy_restore_strategy(MODELS[model](), TofuStrategy(8))
