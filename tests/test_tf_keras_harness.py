@@ -41,8 +41,24 @@ _CASES = [dict(testcase_name=f"{optimizer}_{'numpy' if numpy else 'dataset'}{'_v
           for optimizer in ("legacy", "new") for numpy in (True, False) for validation in (False, True)]
 
 
-class _Harness(harness.TestDistributionStrategyCorrectnessBase):
+class _Harness:
+    """Runs the harness's test with TofuStrategy (mixed into one of its test cases); a model
+    gives ``build`` (the layers), the loss and metrics, and the data."""
+
     optimizer = "legacy"
+    loss = "sparse_categorical_crossentropy"
+    metrics = ("sparse_categorical_accuracy",)
+
+    def build(self):
+        raise NotImplementedError
+
+    def get_model(self, initial_weights=None, distribution=None, input_shapes=None, **kwargs):
+        with harness.MaybeDistributionScope(distribution):
+            model = self.build()
+            if initial_weights:
+                model.set_weights(initial_weights)
+            model.compile(optimizer=_optimizer(self.optimizer), loss=self.loss, metrics=list(self.metrics))
+        return model
 
     def run_with_tofu(self, optimizer, use_numpy, use_validation_data):
         """The harness's test, TofuStrategy planning under half the peak of its cheapest plan for
@@ -66,64 +82,69 @@ class _Harness(harness.TestDistributionStrategyCorrectnessBase):
         return plan_graph(graph, num_devices=8, hardware="cpu-virtual").peak_memory_bytes // 2
 
 
-class DnnCorrectnessTest(_Harness):
+class DnnCorrectnessTest(_Harness, harness.TestDistributionStrategyCorrectnessBase):
+    loss, metrics = "mean_squared_error", ("mse",)
 
-    def get_model(self, initial_weights=None, distribution=None, input_shapes=None):
-        with harness.MaybeDistributionScope(distribution):
-            model = keras.Sequential([
-                keras.layers.Dense(16, activation="relu", input_shape=(1,)),
-                keras.layers.Dense(16, activation="relu", kernel_regularizer=keras.regularizers.l2(1e-4)),
-                keras.layers.Dense(16, activation="relu"),
-                keras.layers.Dense(1)])
-            if initial_weights:
-                model.set_weights(initial_weights)
-            model.compile(loss=keras.losses.mean_squared_error, optimizer=_optimizer(self.optimizer), metrics=["mse"])
-        return model
+    def build(self):
+        return keras.Sequential([
+            keras.layers.Dense(16, activation="relu", input_shape=(1,)),
+            keras.layers.Dense(16, activation="relu", kernel_regularizer=keras.regularizers.l2(1e-4)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(1)])
 
     def get_data(self):
         x_train = np.random.rand(_SAMPLES, 1).astype("float32")
         return x_train, 3 * x_train, np.array([[1.0], [2.0], [3.0], [4.0]], dtype=np.float32)
 
     @parameterized.named_parameters(*_CASES)
-    def test_dnn(self, optimizer, use_numpy, use_validation_data):
+    def test_correctness(self, optimizer, use_numpy, use_validation_data):
         self.run_with_tofu(optimizer, use_numpy, use_validation_data)
 
 
-class EmbeddingCorrectnessTest(_Harness, harness.TestDistributionStrategyEmbeddingModelCorrectnessBase):
-    def get_model(self, max_words=10, initial_weights=None, distribution=None, input_shapes=None):
-        with harness.MaybeDistributionScope(distribution):
-            word_ids = keras.layers.Input(shape=(max_words,), dtype=np.int32, name="words")
-            embedded = keras.layers.Embedding(input_dim=20, output_dim=16)(word_ids)
-            average = keras.layers.GlobalAveragePooling1D()(embedded)
-            model = keras.Model(word_ids, keras.layers.Dense(2, activation="softmax")(average))
-            if initial_weights:
-                model.set_weights(initial_weights)
-            model.compile(optimizer=_optimizer(self.optimizer), loss="sparse_categorical_crossentropy",
-                          metrics=["sparse_categorical_accuracy"])
-        return model
+class _WordsHarness(_Harness):
+    """Padded word ids (the harness's embedding data) -> an Embedding -> ``encode`` -> two classes."""
+
+    output_dim = 16
+
+    def encode(self, embedded):
+        raise NotImplementedError
+
+    def build(self, max_words=10):
+        word_ids = keras.layers.Input(shape=(max_words,), dtype=np.int32, name="words")
+        embedded = keras.layers.Embedding(input_dim=20, output_dim=self.output_dim)(word_ids)
+        return keras.Model(word_ids, keras.layers.Dense(2, activation="softmax")(self.encode(embedded)))
 
     def get_data(self, **kwargs):
         return super().get_data(count=_SAMPLES, **kwargs)
 
+
+class EmbeddingCorrectnessTest(_WordsHarness, harness.TestDistributionStrategyEmbeddingModelCorrectnessBase):
+    def encode(self, embedded):
+        return keras.layers.GlobalAveragePooling1D()(embedded)
+
     @parameterized.named_parameters(*_CASES)
-    def test_embedding(self, optimizer, use_numpy, use_validation_data):
+    def test_correctness(self, optimizer, use_numpy, use_validation_data):
         self.run_with_tofu(optimizer, use_numpy, use_validation_data)
 
 
-class ImageCorrectnessTest(_Harness):
+class RnnCorrectnessTest(_WordsHarness, harness.TestDistributionStrategyEmbeddingModelCorrectnessBase):
+    output_dim = 10
 
-    def get_model(self, initial_weights=None, distribution=None, input_shapes=None):
-        with harness.MaybeDistributionScope(distribution):
-            image = keras.layers.Input(shape=(8, 8, 3), name="image")
-            c1 = keras.layers.Conv2D(8, (3, 3), activation="relu", padding="same")(image)
-            c1 = keras.layers.MaxPooling2D(pool_size=(2, 2))(c1)
-            flat = keras.layers.Flatten()(c1)
-            model = keras.Model(image, keras.layers.Dense(10, activation="softmax")(flat))
-            if initial_weights:
-                model.set_weights(initial_weights)
-            model.compile(optimizer=_optimizer(self.optimizer), loss="sparse_categorical_crossentropy",
-                          metrics=["sparse_categorical_accuracy"])
-        return model
+    def encode(self, embedded):
+        return keras.layers.LSTM(units=4, return_sequences=False)(embedded)
+
+    @parameterized.named_parameters(*_CASES)
+    def test_correctness(self, optimizer, use_numpy, use_validation_data):
+        self.run_with_tofu(optimizer, use_numpy, use_validation_data)
+
+
+class ImageCorrectnessTest(_Harness, harness.TestDistributionStrategyCorrectnessBase):
+    def build(self):
+        image = keras.layers.Input(shape=(8, 8, 3), name="image")
+        features = keras.layers.Conv2D(8, (3, 3), activation="relu", padding="same")(image)
+        features = keras.layers.MaxPooling2D(pool_size=(2, 2))(features)
+        flat = keras.layers.Flatten()(features)
+        return keras.Model(image, keras.layers.Dense(10, activation="softmax")(flat))
 
     def get_data(self):
         x_train = np.random.rand(_SAMPLES, 8, 8, 3).astype("float32")
@@ -131,33 +152,8 @@ class ImageCorrectnessTest(_Harness):
         return x_train, y_train, x_train[:64]
 
     @parameterized.named_parameters(*_CASES)
-    def test_image(self, optimizer, use_numpy, use_validation_data):
+    def test_correctness(self, optimizer, use_numpy, use_validation_data):
         self.run_with_tofu(optimizer, use_numpy, use_validation_data)
-
-
-class RnnCorrectnessTest(_Harness, harness.TestDistributionStrategyEmbeddingModelCorrectnessBase):
-    def get_model(self, max_words=10, initial_weights=None, distribution=None, input_shapes=None):
-        with harness.MaybeDistributionScope(distribution):
-            word_ids = keras.layers.Input(shape=(max_words,), dtype=np.int32, name="words")
-            embedded = keras.layers.Embedding(input_dim=20, output_dim=10)(word_ids)
-            recurrent = keras.layers.LSTM(units=4, return_sequences=False)(embedded)
-            model = keras.Model(word_ids, keras.layers.Dense(2, activation="softmax")(recurrent))
-            if initial_weights:
-                model.set_weights(initial_weights)
-            model.compile(optimizer=_optimizer(self.optimizer), loss="sparse_categorical_crossentropy",
-                          metrics=["sparse_categorical_accuracy"])
-        return model
-
-    def get_data(self, **kwargs):
-        return super().get_data(count=_SAMPLES, **kwargs)
-
-    @parameterized.named_parameters(*_CASES)
-    def test_lstm(self, optimizer, use_numpy, use_validation_data):
-        self.run_with_tofu(optimizer, use_numpy, use_validation_data)
-
-
-if __name__ == "__main__":
-    tf.test.main()
 
 
 def _premade(kind: str, optimizers: int = 1):
