@@ -463,9 +463,8 @@ def apply_gradients_for_capture(optimizer, grads_and_vars):
     # pylint: disable=protected-access
     grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
     var_list = [v for _, v in grads_and_vars]
+    build_legacy_optimizer(optimizer, var_list)
     with tf.name_scope(optimizer._name):
-        with tf.init_scope():
-            optimizer._create_all_weights(var_list)
         apply_state = optimizer._prepare(var_list)
         grads_and_vars = optimizer._transform_unaggregated_gradients(grads_and_vars)
         grads_and_vars = optimizer._transform_gradients(grads_and_vars)
