@@ -1,7 +1,7 @@
 """Strategy derivation from descriptions: what splits, what reduces, what
 stays whole, and how fast. No TensorFlow."""
 
-import time
+import sys
 
 import pytest
 
@@ -114,21 +114,31 @@ def test_every_strategy_has_one_split_per_tensor_and_replicate_comes_first():
 
 
 def test_many_independent_tensors_derive_in_linear_time():
-    # tf-keras passes every gradient through one IdentityN: 780 tensors in a 24-layer GPT
-    # Measured as a ratio in one run (absolute times vary with the machine's load): four times
-    # the tensors may take at most eight times as long (quadratic would be sixteen).
+    # tf-keras passes every gradient through one IdentityN: 780 tensors in a 24-layer GPT.
+    # The work is counted, not timed (a timed ratio failed CI under load): the Python and builtin
+    # calls the derivation makes are the same on every machine. Four times the tensors may make
+    # at most five times the calls; a pass over every pair of tensors would make sixteen.
     strategies = semantics.Registry()
     semantics.register_builtin_ops(strategies)
 
-    def derive(count):
+    def calls_to_derive(count):
         shapes = [(256, 256)] * count
         view = V("IdentityN", input_shapes=shapes, output_shapes=shapes)
-        start = time.perf_counter()
-        found = strategies.strategies_for_view(view, 8)
-        assert len(found) == 1 + 2 * count
-        return time.perf_counter() - start
+        calls = 0
 
-    derive(50)                                          # warm up
-    small = min(derive(200) for _ in range(3))
-    large = min(derive(800) for _ in range(3))
-    assert large < 8 * small + 0.02, (small, large)
+        def count_calls(frame, event, arg):
+            nonlocal calls
+            if event in ("call", "c_call"):
+                calls += 1
+
+        sys.setprofile(count_calls)
+        try:
+            found = strategies.strategies_for_view(view, 8)
+        finally:
+            sys.setprofile(None)
+        assert len(found) == 1 + 2 * count
+        return calls
+
+    calls_to_derive(50)                                 # caches filled
+    small, large = calls_to_derive(200), calls_to_derive(800)
+    assert large < 5 * small, (small, large)
