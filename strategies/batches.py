@@ -16,6 +16,7 @@ The steps that consume these batches run one batch at a time
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -83,16 +84,44 @@ def to_host(value):
     return tf.constant(variables_lib.gather_to_host(value, dtensor.fetch_layout(value)))
 
 
+class PendingValue:
+    """A batch's value distributed before any plan exists, held on the host.
+
+    A custom training loop distributes its dataset and takes the first batch before
+    its first ``strategy.run``, which is where the strategy sees what the loop trains
+    and plans it. Until then there is no mesh to lay a batch out on, so the batches
+    taken before the plan travel as these: ``run`` plans from their specs, then lays
+    them out. Inside a ``tf.function`` they are Python objects (the function traces
+    once for them), and the laid-out value enters the traced step as a captured
+    tensor, so that first call computes on the real batch.
+    """
+
+    def __init__(self, value: tf.Tensor):
+        self.value = value
+
+    @property
+    def spec(self) -> tf.TensorSpec:
+        return tf.TensorSpec(self.value.shape, self.value.dtype)
+
+    def __repr__(self):
+        return f"PendingValue(shape={self.value.shape}, dtype={self.value.dtype.name})"
+
+
+def _pending(value):
+    return PendingValue(value) if tf.is_tensor(value) else value
+
+
 class DistributedBatches:
     """The user's dataset, batch by batch, each batch laid out on the mesh.
 
     Both Keras versions iterate it in Python and hand each batch to the step
     function (``strategies.step_functions``). It keeps the dataset's batch count:
     unknown when the dataset's is (``.filter``), and then the epoch ends when the
-    data does, as on one device.
+    data does, as on one device. ``placer`` gives the mesh's placer, or None while no
+    plan exists: batches taken then are ``PendingValue``s.
     """
 
-    def __init__(self, dataset: tf.data.Dataset, placer: BatchPlacer):
+    def __init__(self, dataset: tf.data.Dataset, placer: Callable[[], BatchPlacer | None]):
         self._dataset = dataset
         self._placer = placer
         self._batches = int(dataset.cardinality().numpy())
@@ -114,7 +143,7 @@ class DistributedBatches:
 
 
 class _PlacingIterator:
-    def __init__(self, iterator, placer: BatchPlacer):
+    def __init__(self, iterator, placer: Callable[[], BatchPlacer | None]):
         self._iterator = iterator
         self._placer = placer
 
@@ -126,7 +155,10 @@ class _PlacingIterator:
             batch = next(self._iterator)
         except tf.errors.OutOfRangeError as error:
             raise StopIteration from error
-        return place_batch(self._placer, batch)
+        placer = self._placer()
+        if placer is None:
+            return tf.nest.map_structure(_pending, batch)
+        return place_batch(placer, batch)
 
     def get_next(self):
         return next(self)

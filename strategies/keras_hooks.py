@@ -31,9 +31,52 @@ class StepInputs:
     labels: object | None
 
 
-def find_model(step_fn):
-    """The Keras model a step function trains, or None."""
-    return _search(step_fn, depth=0, seen=set())
+def find_model(step_fn, *, strict: bool = False):
+    """The Keras model a step function trains, or None: where the function reaches several
+    (a task model and its backbone), the one holding all the others' weights. Where none
+    holds all (two models trained side by side), the first found, or with ``strict`` (the
+    step is about to be planned from it) an error."""
+    models = _reachable(step_fn, _is_model)
+    if not models:
+        return None
+    outermost = max(models, key=lambda m: len(m.weights))
+    held = {id(w) for w in outermost.weights}
+    if all({id(w) for w in m.weights} <= held for m in models):
+        return outermost
+    if not strict:
+        return models[0]
+    names = ", ".join(sorted(m.name for m in models))
+    raise keras_adapter.UnsupportedModelError(
+        f"the function passed to strategy.run trains several models ({names}), and TofuStrategy plans one: "
+        "give each model its own TofuStrategy, or plan one model that holds them all.")
+
+
+def find_optimizer(step_fn):
+    """The optimizer a custom loop's step function applies its gradients with, or None."""
+    optimizers = _reachable(step_fn, _is_optimizer)
+    if len(optimizers) > 1:
+        raise keras_adapter.UnsupportedModelError(
+            f"the function passed to strategy.run reaches {len(optimizers)} optimizers, and TofuStrategy plans "
+            "a step with one: plan the model explicitly with strategy.plan_model(model, batch_size=..., "
+            "loss=..., optimizer=...).")
+    return optimizers[0] if optimizers else None
+
+
+_KERAS_STEPS = frozenset({"train_step", "test_step", "predict_step"})
+
+
+def runs_keras_step(step_fn, model) -> bool:
+    """Whether ``step_fn`` runs ``model``'s own train/test/predict step: Keras' step functions
+    (``fit``, ``train_on_batch``) and the strategy's (``strategies.step_functions``) call the
+    model's bound ``train_step``; a custom loop runs its own code."""
+    function = getattr(step_fn, "__func__", step_fn)
+    function = getattr(function, "_python_function", function)
+    if str(getattr(function, "__module__", "")).startswith(_KERAS_MODULES):
+        return True
+
+    def model_step(obj) -> bool:
+        return getattr(obj, "__self__", None) is model and getattr(obj, "__name__", None) in _KERAS_STEPS
+    return bool(_reachable(step_fn, model_step))
 
 
 def find_model_in_stack(max_frames: int = 12):
@@ -80,27 +123,63 @@ def _is_model(obj) -> bool:
     return hasattr(kind, "train_step") and hasattr(kind, "trainable_variables") and callable(getattr(kind, "fit", None))
 
 
-def _search(obj, depth, seen):
-    if obj is None or id(obj) in seen or depth > _MAX_DEPTH:
-        return None
-    seen.add(id(obj))
-    if _is_model(obj):
-        return obj
-    candidates = []
-    candidates.append(getattr(obj, "__self__", None))
-    candidates.append(getattr(obj, "__wrapped__", None))
-    candidates.append(getattr(obj, "_python_function", None))
-    closure = getattr(obj, "__closure__", None) or ()
-    for cell in closure:
+def _is_optimizer(obj) -> bool:
+    kind = type(obj)
+    return (callable(getattr(kind, "apply_gradients", None)) and callable(getattr(kind, "get_config", None))
+            and any(str(base.__module__).startswith(_KERAS_MODULES) for base in kind.__mro__))
+
+
+def _reachable(step_fn, wanted) -> list:
+    """The objects ``wanted`` accepts that ``step_fn`` reaches, in the order found.
+
+    What a step function can touch: its bound object (and that object's attributes: a
+    loop class holding ``self.model``), a wrapped or traced function's Python function,
+    its closure cells, and the module globals its code names (TF's tutorial keeps
+    ``model`` and ``optimizer`` at module level). Found objects are not searched further.
+    """
+    found, seen = [], set()
+
+    def visit(obj, depth):
+        if obj is None or id(obj) in seen or depth > _MAX_DEPTH or isinstance(obj, types.ModuleType):
+            return
+        seen.add(id(obj))
+        if wanted(obj):
+            found.append(obj)
+            return
+        if _is_model(obj) or _is_optimizer(obj):
+            return
+        for candidate in _neighbours(obj):
+            visit(candidate, depth + 1)
+
+    visit(step_fn, 0)
+    return found
+
+
+def _neighbours(obj):
+    yield getattr(obj, "__self__", None)
+    yield getattr(obj, "__wrapped__", None)
+    yield getattr(obj, "_python_function", None)
+    yield getattr(obj, "__func__", None)
+    for cell in getattr(obj, "__closure__", None) or ():
         try:
-            candidates.append(cell.cell_contents)
+            yield cell.cell_contents
         except ValueError:  # an empty cell
             continue
-    for candidate in candidates:
-        found = _search(candidate, depth + 1, seen)
-        if found is not None:
-            return found
-    return None
+    code = getattr(obj, "__code__", None)
+    module_globals = getattr(obj, "__globals__", None)
+    if code is not None and module_globals is not None:
+        for name in _names_used(code):
+            yield module_globals.get(name)
+    elif not callable(obj) and hasattr(obj, "__dict__") and not isinstance(obj, type):
+        yield from list(vars(obj).values())        # a loop object: self.model, self.optimizer
+
+
+def _names_used(code) -> list[str]:
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):        # a nested function or comprehension
+            names.extend(_names_used(const))
+    return names
 
 
 def split_step_data(args) -> StepInputs:

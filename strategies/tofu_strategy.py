@@ -216,17 +216,32 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 self._hint_layouts(model)
 
     def plan_for(self, model, *, batch_size, loss, optimizer, labels, features=None) -> None:
+        """Plan ``model``'s compiled training step (or one made of ``loss`` and ``optimizer``)."""
         if self._plan is not None:
             return
         if features is not None:
             with self._container_strategy().scope():
                 if keras_adapter.build_from_features(model, features):
                     logging.info("TofuStrategy: built %s from its first batch to plan it", model.name)
-        from tofu_tf.search import plan_graph
         from tofu_tf.tf.capture import capture_training_step
 
         loss = loss if loss is not None else keras_hooks.compiled_loss(model) or "mse"
         optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None) or "sgd"
+        self._plan_captured(model, optimizer, batch_size, lambda: capture_training_step(
+            model, batch_size=batch_size, loss=loss, optimizer=optimizer, labels=labels, features=features))
+
+    def plan_step_function(self, step_fn, arg_specs, *, model, optimizer) -> None:
+        """Plan what a custom loop's step function trains, traced on the specs of its arguments."""
+        from tofu_tf.tf.capture import capture_step_function
+
+        batch_size = _batch_size_of(arg_specs)
+        self._plan_captured(model, optimizer, batch_size, lambda: capture_step_function(
+            step_fn, arg_specs, model=model, optimizer=optimizer))
+
+    def _plan_captured(self, model, optimizer, batch_size: int, capture) -> None:
+        """Plan the step ``capture()`` traces for ``model``, adopt the plan and make the variables."""
+        from tofu_tf.search import plan_graph
+
         logging.info("TofuStrategy: planning %s for batch %d on %d %s devices", model.name, batch_size,
                      self._devices.count, self._devices.device_type)
         self._prepare(model)
@@ -235,8 +250,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._plan_names = keras_adapter.weight_paths(model)
         start = time.perf_counter()
         with self._creating_plain_variables():
-            graph = capture_training_step(model, batch_size=batch_size, loss=loss, optimizer=optimizer,
-                                          labels=labels, features=features)
+            graph = capture()
             captured = time.perf_counter()
             plan = plan_graph(graph, num_devices=self._devices.count, method=self._options.method,
                               memory_budget_bytes=self._options.memory_budget_bytes,
@@ -389,18 +403,24 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         return 1
 
     def _experimental_distribute_dataset(self, dataset, options):
-        """The dataset's batches, each laid out on the planned mesh as it comes (planning first if needed).
+        """The dataset's batches, each laid out on the planned mesh as it comes.
 
         Keras distributes the dataset before its first step, so this is where a model is
         planned when ``fit``/``evaluate``/``predict`` start: from the static shapes of
-        the batches themselves (``strategies.batches``), whatever the model declares.
+        the batches themselves (``strategies.batches``), whatever the model declares. A
+        custom training loop distributes its data before its first ``run``, which is
+        where the strategy learns what the loop trains: until then batches wait on the
+        host (``batches.PendingValue``).
         """
         model = keras_hooks.find_model_in_stack()
         if model is not None:
             self._prepare(model)
-        if self._lowered is None:
-            self._plan_for_dataset(model, dataset)
-        return batches_lib.DistributedBatches(_without_autotune_thread(dataset), self._placer())
+            if self._lowered is None:
+                self._plan_from_specs(model, keras_hooks.split_step_data((_first_batch_spec(dataset),)))
+        elif self._lowered is None:
+            logging.info("TofuStrategy: a dataset distributed before any plan: its batches stay on the host "
+                         "until the first strategy.run plans the model its function trains")
+        return batches_lib.DistributedBatches(_without_autotune_thread(dataset), self._placer_if_planned)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         return self._experimental_distribute_dataset(dataset_fn(distribute_lib.InputContext()), options)
@@ -410,15 +430,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             self._batch_placer = batches_lib.BatchPlacer(self.mesh, self._lowered.batch_axis)
         return self._batch_placer
 
-    def _plan_for_dataset(self, model, dataset) -> None:
-        if model is None:
-            raise PlanningError(
-                "TofuStrategy lays batches out on the planned mesh, and no model is planned yet: outside "
-                "fit/evaluate/predict (a custom training loop) plan the model the loop trains first, "
-                "strategy.plan_model(model, batch_size=<global batch size>, loss=<the loop's loss>, "
-                "optimizer=<the loop's optimizer>), then distribute the dataset.")
-        spec = _first_batch_spec(dataset)
-        self._plan_from_specs(model, keras_hooks.split_step_data((spec,)))
+    def _placer_if_planned(self) -> batches_lib.BatchPlacer | None:
+        return None if self._lowered is None else self._placer()
 
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -426,7 +439,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         if model is not None:
             self._prepare(model)
         if self._lowered is None:
-            self._plan_from_step(model, args)
+            with tf.init_scope():                  # capture and the variables' creation run outside any trace
+                self._plan_from_step(fn, model, args, kwargs)
         args = tf.nest.map_structure(self._to_batch_layout, args)
         kwargs = tf.nest.map_structure(self._to_batch_layout, kwargs)
         with self._container_strategy().scope(), _GlobalReplicaContext(self._container_strategy()):
@@ -434,14 +448,33 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._check_entries_taken(model)
         return tf.nest.map_structure(_as_distributed_value, result)
 
-    def _plan_from_step(self, model, args) -> None:
-        if model is None or keras_hooks.compiled_loss(model) is None:
+    def _plan_from_step(self, fn, model, args, kwargs) -> None:
+        """Plan at the first ``run``: Keras' own step function (``train_on_batch``) as the model
+        is compiled; a custom loop's function as it is written (``capture_step_function``)."""
+        model = keras_hooks.find_model(fn, strict=True) if model is not None else None
+        if model is None:
             raise PlanningError(
-                "TofuStrategy.run was called before a plan exists, and the plan needs the model, loss and "
-                "optimizer the step trains: call strategy.plan_model(model, batch_size=<global batch size>, "
-                "loss=<the step's loss>, optimizer=<the step's optimizer>) before the first run "
-                "(fit/evaluate/predict plan a compiled model themselves).")
-        self._plan_from_specs(model, keras_hooks.split_step_data(tf.nest.map_structure(_spec_of, args)))
+                "TofuStrategy plans at the first strategy.run what the function passed to it trains, and no "
+                "Keras model is reachable from that function (its closure, its object's attributes or the "
+                "globals it names): call strategy.plan_model(model, batch_size=<global batch size>, "
+                "loss=<the step's loss>, optimizer=<the step's optimizer>) before the first run.")
+        if keras_hooks.runs_keras_step(fn, model) and keras_hooks.compiled_loss(model) is not None:
+            self._plan_from_specs(model, keras_hooks.split_step_data(tf.nest.map_structure(_spec_of, args)))
+            return
+        optimizer = keras_hooks.find_optimizer(fn) or getattr(model, "optimizer", None)
+        if optimizer is None:
+            raise PlanningError(
+                f"TofuStrategy plans at the first strategy.run the training step its function runs, and no "
+                f"optimizer of {model.name} is reachable from that function: plan the model first with "
+                "strategy.plan_model(model, batch_size=<global batch size>, loss=<the step's loss>, "
+                "optimizer=<the optimizer that will train it>).")
+        strategy = self._container_strategy()
+
+        def in_replica(step_args, step_kwargs):
+            with _GlobalReplicaContext(strategy):
+                return fn(*step_args, **step_kwargs)
+        specs = tf.nest.map_structure(_spec_of, (tuple(args), dict(kwargs)))
+        self.plan_step_function(in_replica, specs, model=model, optimizer=optimizer)
 
     def _plan_from_specs(self, model, step: keras_hooks.StepInputs) -> None:
         labels = step.labels if isinstance(step.labels, tf.TensorSpec) else None
@@ -454,6 +487,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         In a graph, inputs come from the distributed dataset and already carry
         layouts; eager tensors passed to ``run`` are copied onto the mesh.
         """
+        if isinstance(value, batches_lib.PendingValue):   # taken before the plan: laid out now
+            with tf.init_scope():
+                return self._placer().place(value.value)
         if not tf.executing_eagerly():
             return value
         return self._placer().place(value)
@@ -484,6 +520,8 @@ def _spec_of(value):
     """The spec of a batch's value (a tensor, an array or a spec); other values pass through."""
     if isinstance(value, tf.TensorSpec):
         return value
+    if isinstance(value, batches_lib.PendingValue):
+        return value.spec
     if tf.is_tensor(value) or hasattr(value, "shape") and hasattr(value, "dtype"):
         return tf.TensorSpec(value.shape, tf.as_dtype(value.dtype))
     return value

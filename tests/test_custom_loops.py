@@ -17,6 +17,7 @@ import tf_keras
 
 from strategies import TofuStrategy
 from strategies.tofu_strategy import PlanningError
+from tofu_tf.tf.keras_adapter import UnsupportedModelError
 
 FRAMEWORKS = {"tf_keras": tf_keras, "keras3": keras3}
 # tf-keras's legacy optimizers too: before, their first update failed ('SGD' object has no
@@ -78,15 +79,19 @@ def _dataset():
 @pytest.mark.parametrize("framework", sorted(LOOPS))
 @pytest.mark.parametrize("distribute", ["dataset", "from_function"])
 def test_the_tutorial_loop_trains_as_one_device_and_its_weights_are_saved(framework, distribute, tmp_path):
+    """As the tutorial writes it: no plan_model. The strategy plans at the first
+    strategy.run what the function passed to it trains (before: refused, and before
+    that a guessed "mse" step failed)."""
     keras, legacy = LOOPS[framework], framework.endswith("legacy_sgd")
     reference = _Loop(keras, None, legacy=legacy)
     expected = reference.train(reference.strategy.experimental_distribute_dataset(_dataset()))
     strategy = TofuStrategy(8)
-    loop = _Loop(keras, strategy, legacy=legacy)
+    loop = _Loop(keras, strategy, legacy=legacy, plan=False)
     if distribute == "dataset":
         dist = strategy.experimental_distribute_dataset(_dataset())
     else:
         dist = strategy.distribute_datasets_from_function(lambda context: _dataset())
+    assert strategy.plan is None
     losses = loop.train(dist)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     for got, want in zip(loop.model.get_weights(), reference.model.get_weights()):
@@ -96,6 +101,35 @@ def test_the_tutorial_loop_trains_as_one_device_and_its_weights_are_saved(framew
     reference.model.load_weights(path)
     for got, want in zip(reference.model.get_weights(), loop.model.get_weights()):
         np.testing.assert_array_equal(got, want)
+    tensors = [path for path, layout in strategy.plan.variable_layouts.items() if len(layout) > 0]
+    # The loop's own optimizer was traced: each weight and its momentum slot are planned.
+    assert len(tensors) == 2 * len(loop.model.trainable_variables), strategy.plan.variable_layouts
+
+
+@pytest.mark.parametrize("framework", sorted(LOOPS))
+def test_run_on_eager_numpy_batches_plans_at_the_first_call_and_trains_as_one_device(framework):
+    """``strategy.run`` called eagerly on numpy batches, no tf.function and no compile (tf-keras's
+    own custom-loop tests do this; with the legacy SGD it failed: 'SGD' object has no attribute
+    'add_variable_from_reference')."""
+    keras, legacy = LOOPS[framework], framework.endswith("legacy_sgd")
+    x, y = _data(GLOBAL_BATCH)
+    reference = _Loop(keras, None, legacy=legacy)
+    expected = [float(reference.train_step((x, y))) for _ in range(3)]
+    strategy = TofuStrategy(8)
+    loop = _Loop(keras, strategy, legacy=legacy, plan=False)
+    losses = [float(strategy.reduce("SUM", strategy.run(loop.train_step, args=((x, y),)), axis=None))
+              for _ in range(3)]
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    for got, want in zip(loop.model.get_weights(), reference.model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loop_planned_with_plan_model_trains_as_one_device():
+    reference = _Loop(tf_keras, None)
+    expected = reference.train(reference.strategy.experimental_distribute_dataset(_dataset()))
+    strategy = TofuStrategy(8)
+    loop = _Loop(tf_keras, strategy, plan=True)
+    np.testing.assert_allclose(loop.train(strategy.experimental_distribute_dataset(_dataset())), expected, rtol=1e-5)
 
 
 def test_reduce_gather_and_local_results_inside_and_outside_tf_function():
@@ -128,10 +162,133 @@ def test_reduce_gather_and_local_results_inside_and_outside_tf_function():
     np.testing.assert_allclose(np.asarray(local), want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_loop_that_distributes_its_data_before_any_plan_is_told_how_to_plan():
-    """No guess: the strategy names plan_model and what to pass (was: planned the
-    script's model with an "mse" loss, then a shape error)."""
+def test_a_first_run_that_reaches_no_model_or_no_optimizer_is_told_how_to_plan():
+    """No guess: where the function passed to run reaches no model, or trains nothing, the
+    strategy names plan_model and what to pass, before anything runs."""
     strategy = TofuStrategy(8)
-    _Loop(tf_keras, strategy, plan=False)
-    with pytest.raises(PlanningError, match=r"strategy.plan_model\(model, batch_size=.*loss=.*optimizer="):
-        strategy.experimental_distribute_dataset(_dataset())
+    loop = _Loop(tf_keras, strategy, plan=False)
+    x, _ = _data(GLOBAL_BATCH)
+    with pytest.raises(PlanningError, match=r"no Keras model is reachable.*strategy.plan_model\(model, batch_size="):
+        strategy.run(lambda features: tf.reduce_sum(features), args=(x,))
+    model = loop.model
+    with pytest.raises(PlanningError, match=r"no optimizer of .* is reachable.*strategy.plan_model\(model"):
+        strategy.run(lambda features: model(features), args=(x,))
+    with strategy.scope():
+        other = tf_keras.Sequential([tf_keras.Input((16,)), tf_keras.layers.Dense(10)])
+    with pytest.raises(UnsupportedModelError, match=r"trains several models \(sequential.*\), and TofuStrategy plans one"):
+        strategy.run(lambda features: model(features) + other(features), args=(x,))
+    assert strategy.plan is None
+
+
+# TF's "Custom training with tf.distribute.Strategy" tutorial, its code as written (the
+# strategy, the Keras module and the data are what the tutorial makes itself; the model is
+# its create_model at a smaller width, on 12x12 images): module-level model, optimizer,
+# loss function and metrics, reached by train_step through its globals.
+_TUTORIAL = '''
+with strategy.scope():
+  loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+  def compute_loss(labels, predictions, model_losses):
+    per_example_loss = loss_object(labels, predictions)
+    loss = tf.nn.compute_average_loss(per_example_loss)
+    if model_losses:
+      loss += tf.nn.scale_regularization_loss(tf.add_n(model_losses))
+    return loss
+
+with strategy.scope():
+  test_loss = keras.metrics.Mean(name='test_loss')
+  train_accuracy = keras.metrics.SparseCategoricalAccuracy(name='train_accuracy')
+  test_accuracy = keras.metrics.SparseCategoricalAccuracy(name='test_accuracy')
+
+with strategy.scope():
+  keras.utils.set_random_seed(3)
+  model = create_model()
+  optimizer = keras.optimizers.Adam(learning_rate=0.01)
+  checkpoint = tf.train.Checkpoint(optimizer=optimizer, model=model)
+
+def train_step(inputs):
+  images, labels = inputs
+  with tf.GradientTape() as tape:
+    predictions = model(images, training=True)
+    loss = compute_loss(labels, predictions, model.losses)
+  gradients = tape.gradient(loss, model.trainable_variables)
+  optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+  train_accuracy.update_state(labels, predictions)
+  return loss
+
+def test_step(inputs):
+  images, labels = inputs
+  predictions = model(images, training=False)
+  t_loss = loss_object(labels, predictions)
+  test_loss.update_state(t_loss)
+  test_accuracy.update_state(labels, predictions)
+
+@tf.function
+def distributed_train_step(dataset_inputs):
+  per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
+  return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
+
+@tf.function
+def distributed_test_step(dataset_inputs):
+  return strategy.run(test_step, args=(dataset_inputs,))
+
+train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
+test_dist_dataset = strategy.experimental_distribute_dataset(test_dataset)
+
+history = []
+for epoch in range(EPOCHS):
+  total_loss = 0.0
+  num_batches = 0
+  for x in train_dist_dataset:
+    total_loss += distributed_train_step(x)
+    num_batches += 1
+  train_loss = total_loss / num_batches
+  for x in test_dist_dataset:
+    distributed_test_step(x)
+  checkpoint.save(checkpoint_prefix)
+  history.append((float(train_loss), float(train_accuracy.result()), float(test_loss.result()),
+                  float(test_accuracy.result())))
+  test_loss.reset_state()
+  train_accuracy.reset_state()
+  test_accuracy.reset_state()
+'''
+
+
+def _run_the_tutorial(keras, strategy, checkpoint_prefix):
+    def create_model():
+        return keras.Sequential([
+            keras.Input((12, 12, 1)),
+            keras.layers.Conv2D(8, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(10)])
+
+    rng = np.random.default_rng(7)
+    images = rng.normal(size=(72, 12, 12, 1)).astype("float32")
+    labels = rng.integers(0, 10, (72,)).astype("int64")
+    namespace = {
+        "tf": tf, "keras": keras, "strategy": strategy, "create_model": create_model, "EPOCHS": 2,
+        "checkpoint_prefix": checkpoint_prefix,
+        "train_dataset": tf.data.Dataset.from_tensor_slices((images[:56], labels[:56])).batch(GLOBAL_BATCH),
+        "test_dataset": tf.data.Dataset.from_tensor_slices((images[56:], labels[56:])).batch(GLOBAL_BATCH)}
+    exec(compile(_TUTORIAL, "custom_training_tutorial", "exec"), namespace)  # pylint: disable=exec-used
+    return namespace
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_tfs_custom_training_tutorial_as_written_trains_as_one_device(framework, tmp_path):
+    """Losses, accuracies and weights of the tutorial's two epochs equal the default
+    strategy's, and its checkpoints restore into a one-device model."""
+    keras = FRAMEWORKS[framework]
+    reference = _run_the_tutorial(keras, tf.distribute.get_strategy(), str(tmp_path / "one" / "ckpt"))
+    tofu = _run_the_tutorial(keras, TofuStrategy(8), str(tmp_path / "tofu" / "ckpt"))
+    assert tofu["strategy"].plan is not None            # planned at the first strategy.run
+    np.testing.assert_allclose(tofu["history"], reference["history"], rtol=1e-5, atol=1e-6)
+    for got, want in zip(tofu["model"].get_weights(), reference["model"].get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    restored = reference["create_model"]()
+    tf.train.Checkpoint(model=restored).restore(tf.train.latest_checkpoint(str(tmp_path / "tofu"))).expect_partial()
+    for got, want in zip(restored.get_weights(), tofu["model"].get_weights()):
+        np.testing.assert_array_equal(got, want)

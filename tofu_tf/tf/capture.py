@@ -24,6 +24,7 @@ a ``tf.function`` concrete graph and translates that graph into
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from typing import Mapping
 
@@ -90,11 +91,47 @@ def capture_training_step(model, *, batch_size: int, loss, optimizer, labels: tf
     with keras_adapter.recording_layer_scopes(framework, model) as layers:
         traced = _trace(model, framework, batch_size, loss, optimizer, labels, features,
                         stamp_updates=not trace_each_update)
+    return _translated(traced, layers, batch_size, framework)
+
+
+def capture_step_function(step_fn, arg_specs, *, model, optimizer, trace_each_update: bool = False) -> ir.Graph:
+    """Trace a custom training loop's step function (what it passes to ``strategy.run``) into IR.
+
+    A custom loop trains what its own function computes: its loss, its tape, its metric
+    updates, its optimizer's ``apply_gradients``. Planning that needs the function as it
+    will run, not a step rebuilt from a compiled loss. ``step_fn`` is traced on
+    ``arg_specs`` (``tf.TensorSpec``s in the structure of the arguments ``run`` passes it,
+    the batch first in every leaf) as ``capture_training_step`` traces a Keras step: new
+    variables are handles without a buffer, and ``optimizer``'s ``apply_gradients`` (and
+    Keras 3's ``apply``) is redirected, for the trace only, to a fresh optimizer of the
+    same configuration, so the user's optimizer is never built with capture's handles. The
+    gradients handed to it name the weights they update. ``model`` is the Keras model
+    whose weights the function trains; the user's optimizer is left untouched.
+    """
+    framework = keras_adapter.framework_of(model)
+    batch_size = _leading_dim(arg_specs)
+    with keras_adapter.recording_layer_scopes(framework, model) as layers:
+        traced = _trace_step_function(step_fn, arg_specs, model, framework, optimizer,
+                                      stamp_updates=not trace_each_update)
+    return _translated(traced, layers, batch_size, framework)
+
+
+def _translated(traced: "_TraceResult", layers, batch_size: int, framework: str) -> ir.Graph:
     graph = _Translator(traced, layers).translate()
     graph = dataclasses.replace(graph, batch_size=batch_size, framework=framework)
     _check_static_shapes(graph)
     logging.debug("captured %s", graph.summary())
     return graph
+
+
+def _leading_dim(arg_specs) -> int:
+    """The batch size of a step's arguments: the first dim of their first tensor spec."""
+    for spec in tf.nest.flatten(arg_specs):
+        if isinstance(spec, tf.TensorSpec) and spec.shape.rank and spec.shape[0] is not None:
+            return int(spec.shape[0])
+    raise DynamicShapeError(
+        "the step function's arguments hold no tensor with a known first (batch) dimension: tofu_tf plans "
+        "a step from the static shapes of the batch it is given.")
 
 
 # -- tracing -------------------------------------------------------------------
@@ -129,7 +166,7 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
 
     def step_with(opt, scaling):
         def train_step(x, y):
-            with tf.variable_creator_scope(_uninitialized_creator):
+            with tf.variable_creator_scope(_uninitialized_creator), _tapes_recording():
                 with tf.GradientTape() as tape:
                     prediction = model(x, training=True)
                     step_loss = loss_fn(y, prediction)
@@ -155,7 +192,7 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
         opt = keras_adapter.fresh_optimizer(framework, optimizer)
         scaling = keras_adapter.loss_scaling(framework, opt)
         opt = keras_adapter.trace_updates_inline(opt if scaling is None else scaling.inner)
-        concrete, slots, stamps = _trace_once(step_with(opt, scaling), opt, framework, x_specs, y_spec,
+        concrete, slots, stamps = _trace_once(step_with(opt, scaling), opt, framework, (x_specs, y_spec),
                                               autograph=autograph, weights=trainable, stamp_updates=stamp_updates)
         if concrete is not None:
             break
@@ -165,7 +202,76 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
     return _TraceResult(concrete.graph, input_names, gradient_box, handle_paths, variables, tuple(stamps))
 
 
-def _trace_once(train_step, opt, framework, x_specs, y_spec, *, autograph, weights, stamp_updates):
+def _trace_step_function(step_fn, arg_specs, model, framework, optimizer, *, stamp_updates) -> _TraceResult:
+    """Trace a user's step function with its optimizer's updates redirected to a fresh copy."""
+    trainable = keras_adapter.trainable_variables(model)
+    weight_names = keras_adapter.weight_paths(model)
+    gradient_box: dict[str, str] = {}
+
+    def step_with(opt):
+        scaling = keras_adapter.loss_scaling(framework, opt)
+        # The loop unscales its gradients itself (as a LossScaleOptimizer's users do); what
+        # its update does to each weight is the wrapped optimizer's.
+        update = keras_adapter.trace_updates_inline(opt if scaling is None else scaling.inner)
+
+        def apply(grads_and_vars):
+            dense = []
+            for grad, var in grads_and_vars:
+                if isinstance(grad, tf.IndexedSlices):
+                    grad = tf.convert_to_tensor(grad)
+                path = weight_names.get(id(keras_adapter.tf_variable(var)))
+                if grad is not None and path is not None:
+                    gradient_box[grad.name] = path
+                dense.append((grad, var))
+            return keras_adapter.apply_gradients_for_capture(update, dense)
+
+        def traced_step(*args):
+            with tf.variable_creator_scope(_uninitialized_creator), _tapes_recording(), \
+                    keras_adapter.redirected_updates(optimizer, apply):
+                return step_fn(*args)
+        return traced_step, update
+
+    for autograph in (False, True):
+        gradient_box.clear()
+        traced_step, update = step_with(keras_adapter.fresh_optimizer(framework, optimizer))
+        concrete, slots, stamps = _trace_once(traced_step, update, framework, arg_specs, autograph=autograph,
+                                              weights=trainable, stamp_updates=stamp_updates)
+        if concrete is not None:
+            break
+    if not gradient_box:
+        raise keras_adapter.UnsupportedModelError(
+            f"the step function passed to strategy.run applied no gradient of {model.name}'s weights through "
+            f"{type(optimizer).__name__}.apply_gradients: TofuStrategy plans the step that trains the model. "
+            "Plan it explicitly with strategy.plan_model(model, batch_size=..., loss=..., optimizer=...).")
+    variables, handle_paths = _collect_variables(model, update, slots, gradient_box, weight_names)
+    input_names = tuple(t.name for t in concrete.graph.inputs[: len(tf.nest.flatten(arg_specs))])
+    return _TraceResult(concrete.graph, input_names, gradient_box, handle_paths, variables, tuple(stamps))
+
+
+@contextlib.contextmanager
+def _tapes_recording():
+    """Gradient tapes record, even where the caller of capture stopped them.
+
+    TofuStrategy plans a custom loop at its first ``strategy.run``, which is often inside
+    the loop's own ``tf.function`` while it is traced; capture then runs under
+    ``tf.init_scope()`` (its graph and the variables it makes must not become part of the
+    user's function), and ``init_scope`` stops every gradient tape on the thread, the
+    traced step's own ``GradientTape`` included: it would record nothing and every
+    gradient would be None. TF-private (``pywrap_tfe``, as ``tf.init_scope`` itself
+    stops and restarts the tapes).
+    """
+    from tensorflow.python import pywrap_tfe  # pylint: disable=import-outside-toplevel
+    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+    if stopped:
+        pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
+    try:
+        yield
+    finally:
+        if stopped:
+            pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+
+
+def _trace_once(train_step, opt, framework, arg_specs, *, autograph, weights, stamp_updates):
     """Trace ``train_step`` once; ``(None, None, None)`` when tracing without AutoGraph
     fails, e.g. because the model branches or loops on a tensor in Python.
 
@@ -181,7 +287,7 @@ def _trace_once(train_step, opt, framework, x_specs, y_spec, *, autograph, weigh
         updates = update_stamps.UpdateRecorder(opt, [keras_adapter.tf_variable(w) for w in weights], slots)
         with updates.recording(enabled=stamp_updates):
             try:
-                concrete = tf.function(train_step, autograph=autograph).get_concrete_function(x_specs, y_spec)
+                concrete = tf.function(train_step, autograph=autograph).get_concrete_function(*arg_specs)
             except Exception as error:  # pylint: disable=broad-except
                 # Tensors used as Python bools or ints fail in many ways (OperatorNotAllowedInGraphError,
                 # TypeError from range(tensor), ...); a real error fails the AutoGraph trace again.

@@ -471,6 +471,47 @@ def apply_gradients_for_capture(optimizer, grads_and_vars):
         return optimizer._distributed_apply(tf.distribute.get_strategy(), grads_and_vars, apply_state, None)
 
 
+_UNSET = object()
+
+
+@contextlib.contextmanager
+def redirected_updates(optimizer, apply: Callable) -> Iterator[None]:
+    """While active, ``optimizer.apply_gradients(grads_and_vars)`` (and Keras 3's
+    ``optimizer.apply(grads, variables)``) call ``apply(list_of_grad_var_pairs)`` instead.
+
+    Capture traces a custom loop's step function as the user wrote it, and that function
+    calls the user's optimizer; building that optimizer in a trace would leave it holding
+    capture's buffer-less handles. The methods are replaced on this instance only (the
+    strategy's own instance-level wrappers are kept and put back) and restored on exit.
+    """
+    names = ("apply_gradients", "apply") if hasattr(optimizer, "apply") and \
+        not is_legacy_optimizer(optimizer) else ("apply_gradients",)
+    saved = {name: optimizer.__dict__.get(name, _UNSET) for name in names}
+
+    def apply_gradients(grads_and_vars, *args, **kwargs):
+        del args, kwargs                     # name, experimental_aggregate_gradients: one device's update
+        return apply(list(grads_and_vars))
+
+    def apply_pairs(grads, trainable_variables=None):
+        if trainable_variables is None:
+            raise UnsupportedModelError(
+                "optimizer.apply(grads) without its variables, in a step TofuStrategy plans: pass "
+                "apply(grads, variables) or use apply_gradients(zip(grads, variables)).")
+        return apply(list(zip(grads, trainable_variables)))
+
+    optimizer.apply_gradients = apply_gradients
+    if "apply" in names:
+        optimizer.apply = apply_pairs
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is _UNSET:
+                optimizer.__dict__.pop(name, None)
+            else:
+                optimizer.__dict__[name] = value
+
+
 @contextlib.contextmanager
 def _recording_legacy_slots(optimizer, records: list[SlotRecord]) -> Iterator[None]:
     """``recording_slots`` for a legacy optimizer: its slots come from ``add_slot(var, slot_name, ...)``.
