@@ -143,3 +143,30 @@ def test_ilp_prints_nothing():
     out = subprocess.run([sys.executable, "-c", script], cwd=root, env=dict(os.environ, PYTHONPATH=root),
                          capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout == ""
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_problems(), st.sampled_from([0.0, 0.5]))
+def test_the_relaxation_bounds_the_optimum_and_an_integral_one_is_the_optimum(problem, lam):
+    relaxation = ilp.solve_relaxation(problem, lam)
+    best = _brute_force(problem, lam)
+    assert relaxation.bound <= best + 1e-7
+    if relaxation.integral is not None:
+        assert relaxation.integral.exact
+        assert abs(relaxation.integral.objective - best) < 1e-7
+
+
+@settings(max_examples=40, deadline=None)
+@given(random_problems(), st.sampled_from([0.0, 0.5]))
+def test_a_too_wide_problem_is_dropped_only_where_it_cannot_beat_the_other_role(problem, lam):
+    """The planner solves a problem elimination cannot (too wide) after the other role's, and
+    drops it where its relaxation's bound shows it cannot win; otherwise it is solved exactly."""
+    from tofu_tf.search.api import _solve_too_wide
+    best = _brute_force(problem, lam)
+    for beat in (best - 1.0, best, best + 1.0, float("inf")):
+        found = _solve_too_wide(problem, lam, beat, max_states=1, time_limit_s=10.0)
+        if found is None:
+            assert best > beat                              # dropped: no solution below beat exists
+        else:
+            assert found.exact and abs(found.objective - best) < 1e-9
+    assert _solve_too_wide(problem, lam, float("inf"), max_states=1, time_limit_s=10.0) is not None

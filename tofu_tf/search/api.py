@@ -56,9 +56,6 @@ class _Candidate:
         return (self.cost.step_seconds, self.cost.memory.peak_bytes)
 
 
-AxisSolver = Callable[[AxisProblem, float], tofu_dp.AxisSolution]
-
-
 def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | None = None,
                method: str | Method = "tofu", hardware: HardwareProfile | str = H100_NVLINK,
                mesh_shape=None, objective: str | Objective = Objective.TIME,
@@ -158,22 +155,52 @@ def _meshes_and_restriction(method: Method, index: GraphIndex, n: int, mesh_shap
     return [MeshSpec(tuple((f"a{i}", s) for i, s in enumerate(sizes))) for sizes in ordered_factorizations(n)], None
 
 
-def _solver(method: Method, max_states: int, time_limit_s: float) -> AxisSolver:
+@dataclasses.dataclass(frozen=True)
+class _AxisSolver:
+    """How the search solves an axis problem, in two steps, so that a problem elimination
+    cannot solve (too wide: T5's batch role, an unrolled RNN) is solved last, knowing the
+    objective it must beat.
+
+    ``exact(problem, lam)``: the optimum where elimination finds it, else None.
+    ``rest(problem, lam, beat)``: a solution of any problem, or None where it proves that
+    no solution's objective is below ``beat`` (the axis keeps the other role's)."""
+
+    exact: Callable[[AxisProblem, float], tofu_dp.AxisSolution | None]
+    rest: Callable[[AxisProblem, float, float], tofu_dp.AxisSolution | None]
+
+
+def _solver(method: Method, max_states: int, time_limit_s: float) -> _AxisSolver:
     if method is Method.ILP:
         from tofu_tf.search import ilp
-        return lambda problem, lam: ilp.solve_axis(problem, lam, time_limit_s=time_limit_s)
-    too_wide = functools.partial(_solve_too_wide, time_limit_s=time_limit_s)
-    return lambda problem, lam: tofu_dp.solve_axis(problem, lam, max_states=max_states, too_wide=too_wide)
+        return _AxisSolver(exact=lambda problem, lam: None,
+                           rest=lambda problem, lam, beat: ilp.solve_axis(problem, lam, time_limit_s=time_limit_s))
+    return _AxisSolver(exact=tofu_dp.solve_by_elimination,
+                       rest=functools.partial(_solve_too_wide, max_states=max_states, time_limit_s=time_limit_s))
 
 
-def _solve_too_wide(problem, lam: float, *, time_limit_s: float):
-    """HiGHS on an axis problem too wide for exact elimination (``tofu_dp.solve_axis``
-    says when); None when it finds no solution within ``time_limit_s``."""
+# How far above the objective to beat a relaxation's bound must be to drop a problem: a
+# tie (both roles of a tiny model replicate everything) is solved, and the role order decides.
+_PRUNE_MARGIN = 1e-6
+
+
+def _solve_too_wide(problem: AxisProblem, lam: float, beat: float, *, max_states: int, time_limit_s: float):
+    """A problem too wide for elimination: its linear relaxation first (``ilp.solve_relaxation``),
+    which drops it when its bound exceeds ``beat`` and solves it when integral; else HiGHS'
+    integer program (``time_limit_s``) and the capped cut DP (``tofu_dp.solve_too_wide``)."""
     from tofu_tf.search import ilp
-    try:
-        return ilp.solve_axis(problem, lam, time_limit_s=time_limit_s)
-    except ilp.ILPError:
-        return None
+    relaxation = ilp.solve_relaxation(problem, lam)
+    if relaxation is not None:
+        if relaxation.bound > beat * (1 + _PRUNE_MARGIN) + 1e-15:
+            return None
+        if relaxation.integral is not None:
+            return relaxation.integral
+
+    def integer_program(problem, lam):
+        try:
+            return ilp.solve_axis(problem, lam, time_limit_s=time_limit_s)
+        except ilp.ILPError:
+            return None
+    return tofu_dp.solve_too_wide(problem, lam, max_states=max_states, too_wide=integer_program)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +221,7 @@ class _Search:
     only the meshes whose lower bound does not already lose to a priced plan that fits."""
 
     def __init__(self, index: GraphIndex, liveness: Liveness, hardware: HardwareProfile,
-                 solver: AxisSolver, restrict, work, progress: SearchProgress,
+                 solver: _AxisSolver, restrict, work, progress: SearchProgress,
                  roles: Sequence[AxisRole] = (AxisRole.ANY,)):
         self.index, self.liveness, self.hardware, self.work = index, liveness, hardware, work
         self.progress, self.roles = progress, tuple(roles)
@@ -222,21 +249,25 @@ class _Search:
 
     def _solve_axis(self, mesh: MeshSpec, k: int, prior: tuple[AxisDecision, ...], lam: float):
         """Axis ``k``'s problem and solution: under each role the target allows, the
-        one of least objective (``targets.axis_roles``)."""
+        one of least objective (``targets.axis_roles``; on a tie, the earlier role).
+        Problems elimination solves go first; a wider one then only has to beat them."""
         link = self.hardware.axis_link(mesh, k)
         started = time.perf_counter()
-        best = None
+        problems = []
         for role in self.roles:
             builder = ProblemBuilder(self.index, prior, mesh.sizes[k], link, self.restrict, role)
-            if not builder.can_build():
-                continue
-            problem = builder.build()
-            solution = self.solver(problem, lam)
-            self.solves += 1
-            value = problem.objective(solution.choice, lam)
-            if best is None or value < best[0]:
-                best = (value, problem, solution)
-        _, problem, solution = best
+            if builder.can_build():
+                problems.append(builder.build())
+        solutions = [self.solver.exact(problem, lam) for problem in problems]
+        for i, problem in enumerate(problems):
+            if solutions[i] is None:
+                beat = min((other.objective(found.choice, lam) for other, found in zip(problems, solutions)
+                            if found is not None), default=float("inf"))
+                solutions[i] = self.solver.rest(problem, lam, beat)
+        self.solves += len(problems)
+        _, best = min((problem.objective(solution.choice, lam), i)
+                      for i, (problem, solution) in enumerate(zip(problems, solutions)) if solution is not None)
+        problem, solution = problems[best], solutions[best]
         self.progress.axis_solved(mesh.text(), k, len(mesh.axes), mesh.sizes[k], len(problem.nodes),
                                   solution.exact, time.perf_counter() - started)
         return problem, solution

@@ -20,12 +20,13 @@ another method's objective (``stop_at`` ends the solve there).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
 
 import numpy as np
-from scipy import optimize, sparse
+from scipy import sparse
 
 from tofu_tf.search.problem import AxisProblem
 from tofu_tf.search.tofu_dp import AxisSolution
@@ -57,12 +58,52 @@ def solve_axis(problem: AxisProblem, lam: float = 0.0, *, time_limit_s: float = 
 
 
 def _solve_scipy(cost, matrix, rhs, num_x, time_limit_s, mip_rel_gap):
+    from scipy import optimize   # only without highspy: importing it costs most of a second
     integrality = np.zeros(len(cost))
     integrality[:num_x] = 1
     result = optimize.milp(
         cost, constraints=optimize.LinearConstraint(matrix, rhs, rhs), integrality=integrality,
         bounds=optimize.Bounds(0, 1), options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False})
     return result.x, result.status == 0, ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Relaxation:
+    """The linear relaxation of an axis problem: a lower bound on its objective, and the
+    solution itself when the relaxation's optimum picks one option per node (then it is
+    the integer program's optimum too: with integral ``x`` the marginals force ``y``)."""
+
+    bound: float
+    integral: AxisSolution | None
+
+
+def solve_relaxation(problem: AxisProblem, lam: float = 0.0) -> Relaxation | None:
+    """The relaxation's optimum (HiGHS' LP solver, no branching), or None without ``highspy``.
+
+    A fraction of the integer program's time (a keras-hub T5's axis problem: 0.2 s against
+    0.7-1.0 s): often integral, and otherwise a bound that can prove another solution at
+    least as good."""
+    try:
+        import highspy
+    except ImportError:
+        return None
+    cost, matrix, rhs, offsets, num_x = _model(problem, lam)
+    with _stdout_silenced():
+        highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    lp = _lp(highspy, cost, matrix, rhs, num_x)
+    lp.integrality_ = []
+    highs.passModel(lp)
+    highs.run()
+    if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    values = np.asarray(highs.getSolution().col_value)
+    bound = float(highs.getInfo().objective_function_value)
+    picks = [values[offsets[i]: offsets[i] + len(node.options)] for i, node in enumerate(problem.nodes)]
+    if all(np.max(x) > 1 - 1e-7 for x in picks):
+        choice = tuple(int(np.argmax(x)) for x in picks)
+        return Relaxation(bound, AxisSolution(choice, problem.objective(choice, lam), True, 0))
+    return Relaxation(bound, None)
 
 
 def _solve_highspy(highspy, cost, matrix, rhs, num_x, time_limit_s, mip_rel_gap, stop_at, started):

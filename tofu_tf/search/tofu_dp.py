@@ -106,9 +106,25 @@ def solve_axis(problem: AxisProblem, lam: float = 0.0, *, max_states: int = DEFA
     when it proves it optimal; otherwise the forward-order cut DP below, capped at
     ``max_states`` states, and the better of the two. (The capped cut DP alone was
     137% above the proved optimum on a 4-layer LSTM unrolled over 16 steps.)"""
-    found = elimination.solve(problem, lam, max_entries=max_entries)
+    found = solve_by_elimination(problem, lam, max_entries=max_entries)
     if found is not None:
-        return AxisSolution(found.choice, found.objective, True, found.widest)
+        return found
+    return solve_too_wide(problem, lam, max_states=max_states, too_wide=too_wide)
+
+
+def solve_by_elimination(problem: AxisProblem, lam: float = 0.0, *,
+                         max_entries: int = elimination.DEFAULT_MAX_ENTRIES) -> AxisSolution | None:
+    """The exact minimum by elimination, or None when its tables would pass ``max_entries``."""
+    found = elimination.solve(problem, lam, max_entries=max_entries)
+    if found is None:
+        return None
+    return AxisSolution(found.choice, found.objective, True, found.widest)
+
+
+def solve_too_wide(problem: AxisProblem, lam: float = 0.0, *, max_states: int = DEFAULT_MAX_STATES,
+                   too_wide: Callable[[AxisProblem, float], AxisSolution] | None = None) -> AxisSolution:
+    """``solve_axis`` for a problem elimination cannot solve: ``too_wide``'s answer when it
+    proves it optimal, else the better of it and the capped cut DP."""
     other = too_wide(problem, lam) if too_wide is not None else None
     if other is not None and other.exact:
         return other
