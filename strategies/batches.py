@@ -90,25 +90,39 @@ class PendingValue:
     A custom training loop distributes its dataset and takes the first batch before
     its first ``strategy.run``, which is where the strategy sees what the loop trains
     and plans it. Until then there is no mesh to lay a batch out on, so the batches
-    taken before the plan travel as these: ``run`` plans from their specs, then lays
-    them out. Inside a ``tf.function`` they are Python objects (the function traces
-    once for them), and the laid-out value enters the traced step as a captured
-    tensor, so that first call computes on the real batch.
+    taken before the plan travel as these. To ``tf.function`` one traces as a tensor
+    of its spec (``__tf_tracing_type__``), so ``run`` plans from that spec inside the
+    trace, and the function is called with the value laid out on the planned mesh
+    (``__tf_tensor__``): the trace is the one later batches of that shape reuse, and
+    the step compiles once. Eagerly, ``run`` lays it out itself.
     """
 
-    def __init__(self, value: tf.Tensor):
+    def __init__(self, value: tf.Tensor, placer: Callable[[], "BatchPlacer | None"]):
         self.value = value
+        self._placer = placer
 
     @property
     def spec(self) -> tf.TensorSpec:
         return tf.TensorSpec(self.value.shape, self.value.dtype)
 
+    def placed(self):
+        """The value on the planned mesh, or on the host while there is no plan."""
+        placer = self._placer()
+        return self.value if placer is None else placer.place(self.value)
+
+    def __tf_tracing_type__(self, signature_context):
+        del signature_context
+        return self.spec
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        del name
+        value = self.placed()
+        if dtype is not None and dtype != value.dtype:
+            raise TypeError(f"a batch value of dtype {value.dtype.name} was asked for as {tf.as_dtype(dtype).name}")
+        return value
+
     def __repr__(self):
         return f"PendingValue(shape={self.value.shape}, dtype={self.value.dtype.name})"
-
-
-def _pending(value):
-    return PendingValue(value) if tf.is_tensor(value) else value
 
 
 class DistributedBatches:
@@ -157,7 +171,8 @@ class _PlacingIterator:
             raise StopIteration from error
         placer = self._placer()
         if placer is None:
-            return tf.nest.map_structure(_pending, batch)
+            return tf.nest.map_structure(
+                lambda value: PendingValue(value, self._placer) if tf.is_tensor(value) else value, batch)
         return place_batch(placer, batch)
 
     def get_next(self):

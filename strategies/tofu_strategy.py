@@ -488,8 +488,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         layouts; eager tensors passed to ``run`` are copied onto the mesh.
         """
         if isinstance(value, batches_lib.PendingValue):   # taken before the plan: laid out now
-            with tf.init_scope():
-                return self._placer().place(value.value)
+            return value.placed()
         if not tf.executing_eagerly():
             return value
         return self._placer().place(value)
