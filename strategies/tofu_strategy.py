@@ -469,10 +469,13 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 "strategy.plan_model(model, batch_size=<global batch size>, loss=<the step's loss>, "
                 "optimizer=<the optimizer that will train it>).")
         strategy = self._container_strategy()
+        # A step that is a tf.function of its own is traced through its Python function: a trace
+        # of the tf.function itself would stay in its cache, holding capture's optimizer slots.
+        python_step = getattr(fn, "python_function", fn)
 
         def in_replica(step_args, step_kwargs):
             with _GlobalReplicaContext(strategy):
-                return fn(*step_args, **step_kwargs)
+                return python_step(*step_args, **step_kwargs)
         specs = tf.nest.map_structure(_spec_of, (tuple(args), dict(kwargs)))
         self.plan_step_function(in_replica, specs, model=model, optimizer=optimizer)
 

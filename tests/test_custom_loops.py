@@ -124,6 +124,19 @@ def test_run_on_eager_numpy_batches_plans_at_the_first_call_and_trains_as_one_de
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_step_function_that_is_a_tf_function_of_its_own_trains_as_one_device():
+    """tf-keras's own custom-loop tests decorate the step passed to run with tf.function: its
+    gradients live in an inner graph, which capture inlines (was: KeyError naming a gradient)."""
+    expected_loop = _Loop(tf_keras, None)
+    expected = expected_loop.train(expected_loop.strategy.experimental_distribute_dataset(_dataset()))
+    strategy = TofuStrategy(8)
+    loop = _Loop(tf_keras, strategy, plan=False)
+    loop.train_step = tf.function(loop.train_step)
+    np.testing.assert_allclose(loop.train(strategy.experimental_distribute_dataset(_dataset())), expected, rtol=1e-5)
+    for got, want in zip(loop.model.get_weights(), expected_loop.model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_loop_planned_with_plan_model_trains_as_one_device():
     reference = _Loop(tf_keras, None)
     expected = reference.train(reference.strategy.experimental_distribute_dataset(_dataset()))

@@ -68,7 +68,9 @@ class _TraceResult:
 
     graph: tf.Graph
     input_names: tuple[str, ...]
-    gradient_names: Mapping[str, str]          # tensor name -> weight path
+    # (id of the graph holding the tensor, tensor name) -> weight path: a custom loop's step may
+    # compute its gradients inside a tf.function of its own, which translation inlines.
+    gradient_names: Mapping[tuple[int, str], str]
     handle_paths: Mapping[int, str]            # id(eager handle) -> variable path
     variables: Mapping[str, ir.Variable]
     stamps: tuple[update_stamps.UpdateStamp, ...] = ()   # updates to copy rather than traced
@@ -124,6 +126,10 @@ def _translated(traced: "_TraceResult", layers, batch_size: int, framework: str)
     return graph
 
 
+def _tensor_key(tensor) -> tuple[int, str]:
+    return id(tensor.graph), tensor.name
+
+
 def _leading_dim(arg_specs) -> int:
     """The batch size of a step's arguments: the first dim of their first tensor spec."""
     for spec in tf.nest.flatten(arg_specs):
@@ -162,7 +168,7 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
     y_spec = tf.TensorSpec(y_spec.shape, y_spec.dtype, name="labels")
     trainable = keras_adapter.trainable_variables(model)
     weight_names = keras_adapter.weight_paths(model)
-    gradient_box: dict[str, str] = {}
+    gradient_box: dict[tuple[int, str], str] = {}
 
     def step_with(opt, scaling):
         def train_step(x, y):
@@ -180,7 +186,7 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
                 grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
                 for var, grad in zip(trainable, grads):
                     if grad is not None:
-                        gradient_box[grad.name] = weight_names[id(keras_adapter.tf_variable(var))]
+                        gradient_box[_tensor_key(grad)] = weight_names[id(keras_adapter.tf_variable(var))]
                 keras_adapter.apply_gradients_for_capture(opt, zip(grads, trainable))
             return step_loss
         return train_step
@@ -206,7 +212,7 @@ def _trace_step_function(step_fn, arg_specs, model, framework, optimizer, *, sta
     """Trace a user's step function with its optimizer's updates redirected to a fresh copy."""
     trainable = keras_adapter.trainable_variables(model)
     weight_names = keras_adapter.weight_paths(model)
-    gradient_box: dict[str, str] = {}
+    gradient_box: dict[tuple[int, str], str] = {}
 
     def step_with(opt):
         scaling = keras_adapter.loss_scaling(framework, opt)
@@ -221,7 +227,7 @@ def _trace_step_function(step_fn, arg_specs, model, framework, optimizer, *, sta
                     grad = tf.convert_to_tensor(grad)
                 path = weight_names.get(id(keras_adapter.tf_variable(var)))
                 if grad is not None and path is not None:
-                    gradient_box[grad.name] = path
+                    gradient_box[_tensor_key(grad)] = path
                 dense.append((grad, var))
             return keras_adapter.apply_gradients_for_capture(update, dense)
 
@@ -302,7 +308,7 @@ def _collect_variables(model, opt, slots, gradient_box, weight_names):
     """The step's variables by unique name (``keras_adapter.UniquePaths``): weights as
     ``model.weights`` names them, slots and other optimizer state in creation order,
     as the strategy names the real optimizer's when it makes them."""
-    grad_of = {path: name for name, path in gradient_box.items()}
+    grad_of = {path: name for (_, name), path in gradient_box.items()}
     variables: dict[str, ir.Variable] = {}
     handle_paths: dict[int, str] = {}
     optimizer_names = keras_adapter.UniquePaths()
@@ -348,6 +354,7 @@ class _Translator:
         self._handle_of_path: dict[str, str] = {}
         self._slot_paths = {(v.slot_of, v.slot_name): v.path for v in traced.variables.values() if v.slot_of}
         self._workspace: set[str] = set()
+        self._gradients: dict[str, str] = {}       # IR tensor name -> the weight it is the gradient of
         # traced op index -> how many IR ops precede it, before / after the stamps placed there
         self._before_stamps: dict[int, int] = {}
         self._after_stamps: dict[int, int] = {}
@@ -368,7 +375,12 @@ class _Translator:
         self._place_stamps(len(operations), stamps_at.get(len(operations), ()))
         tensors = self._with_consumers()
         variables = dict(self._traced.variables)
-        for name, path in self._traced.gradient_names.items():
+        lost = set(self._traced.gradient_names.values()) - set(self._gradients.values())
+        if lost:
+            raise keras_adapter.UnsupportedModelError(
+                f"capture traced the gradients of {len(lost)} weights (e.g. {sorted(lost)[0]!r}) and cannot find them "
+                "in the step's graph; plan the model with strategy.plan_model(...) or tofu_tf.plan_model(...).")
+        for name, path in self._gradients.items():
             resolved = self._resolve("", name)
             tensors[resolved] = dataclasses.replace(tensors[resolved], role=ir.Role.GRADIENT, variable_path=path)
             variables[path] = dataclasses.replace(variables[path], gradient=resolved)
@@ -439,6 +451,7 @@ class _Translator:
         workspace = _WORKSPACE_OUTPUTS.get(op.type, frozenset())
         if op.type in _WORKSPACE_PASSTHROUGH and inputs and inputs[0] in self._workspace:
             workspace = frozenset({0})
+        self._note_gradients(graph, op.outputs, outputs)
         bound = _index_length_bound(op)
         for index, (tensor, out_name) in enumerate(zip(op.outputs, outputs)):
             if bound is not None and tensor.shape.rank == 1 and tensor.shape[0] is None:
@@ -464,6 +477,14 @@ class _Translator:
             self._add_op(inner_op, prefix=inner_prefix, graph=func_graph)
         for index, result in enumerate(func_graph.outputs):
             self._alias[prefix + op.outputs[index].name] = self._resolve(inner_prefix, result.name)
+        self._note_gradients(graph, op.outputs, [prefix + t.name for t in op.outputs])
+
+    def _note_gradients(self, graph, tensors, names) -> None:
+        """Which of an op's outputs (``names`` in the IR) are gradients handed to the optimizer."""
+        for tensor, name in zip(tensors, names):
+            path = self._traced.gradient_names.get((id(graph), tensor.name))
+            if path is not None:
+                self._gradients[name] = path
 
     def _resolve(self, prefix: str, name: str) -> str:
         full = prefix + name
