@@ -75,3 +75,17 @@ def test_a_legacy_update_dtensor_cannot_run_is_refused_before_the_first_step(nam
         model = _build(make())
     with pytest.raises(UnsupportedOpError, match=f"tf_keras.optimizers.legacy.{name}.*tf_keras.optimizers.{name}"):
         model.fit(x, y, batch_size=16, verbose=0)
+
+
+def test_a_tensorflow_1_optimizer_is_refused_with_the_keras_optimizer_to_use():
+    """tf-keras wraps a tf.compat.v1.train optimizer in a TFOptimizer (tf-keras's own
+    distribute_strategy_test compiles with one): it has neither Keras' slot API nor a config.
+    Was: AttributeError ('TFOptimizer' object has no attribute 'add_variable_from_reference')."""
+    import tensorflow as tf
+    from tofu_tf.tf.keras_adapter import UnsupportedModelError
+    x = np.arange(8, dtype=np.float32).reshape(8, 1)
+    with TofuStrategy(8).scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile(tf.compat.v1.train.RMSPropOptimizer(learning_rate=0.001), "mse")
+    with pytest.raises(UnsupportedModelError, match=r"TensorFlow 1 optimizer \(RMSPropOptimizer.*tf_keras.optimizers"):
+        model.evaluate(x, 2 * x, batch_size=8, verbose=0)

@@ -299,6 +299,13 @@ def fresh_optimizer(framework: str, optimizer):
             "takes one per sub-model), and TofuStrategy plans a training step with one optimizer. Compile it "
             "with a single optimizer, which then updates every weight.")
     optimizer = keras_module(framework).optimizers.get(optimizer)
+    wrapped = getattr(optimizer, "optimizer", None)
+    if type(optimizer).__name__ == "TFOptimizer" and wrapped is not None:
+        raise UnsupportedModelError(
+            f"the model is compiled with a TensorFlow 1 optimizer ({type(wrapped).__name__} from "
+            "tf.compat.v1.train, which tf-keras wraps in a TFOptimizer), which has no config: TofuStrategy plans "
+            "with a copy of the optimizer made from its config. Use a Keras optimizer (tf_keras.optimizers."
+            "RMSprop, Adam, SGD, ... or their tf_keras.optimizers.legacy versions).")
     return optimizer.__class__.from_config(optimizer.get_config())
 
 
@@ -546,6 +553,8 @@ def defer_slot_zeros(optimizer) -> None:
         return
     if not type(optimizer).__module__.startswith("tf_keras") or is_legacy_optimizer(optimizer):
         return                  # a legacy optimizer's slot initial values are shape-carrying partials
+    if not hasattr(optimizer, "add_variable_from_reference"):
+        return                  # a TF1 optimizer (tf.compat.v1.train) wrapped in TFOptimizer: its own slots
     original = optimizer.add_variable_from_reference
 
     def wrapper(*args, **kwargs):
