@@ -325,6 +325,16 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
             self._set_host_value(combine(self._host_value(), np.asarray(value)))
         return self if read_value else None
 
+    def _serialize_to_tensors(self):
+        """A checkpoint saved before the plan holds the value the plan will lay out.
+
+        TensorFlow leaves an uninitialized variable out of a checkpoint without a word, and
+        restoring the checkpoint then fails (``Key ... not found in checkpoint``). The saved
+        value is the host value a read before the plan takes (``_host_value``)."""
+        if not tf.executing_eagerly():
+            return super()._serialize_to_tensors()
+        return {trackable_constants.VARIABLE_VALUE_KEY: tf.constant(self._host_value())}
+
     def _restore_from_tensors(self, restored_tensors):
         """A checkpoint restore writes the handle directly, which ``materialize``
         replaces: it goes through ``assign`` instead, so the restored value is kept."""
