@@ -331,8 +331,8 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
         TensorFlow leaves an uninitialized variable out of a checkpoint without a word, and
         restoring the checkpoint then fails (``Key ... not found in checkpoint``). The saved
         value is the host value a read before the plan takes (``_host_value``)."""
-        if not tf.executing_eagerly():
-            return super()._serialize_to_tensors()
+        if not tf.executing_eagerly() or (self._tofu_host is None and self._tofu_initial_value is None):
+            return super()._serialize_to_tensors()   # nothing to save yet (a SavedModel loader's variable)
         return {trackable_constants.VARIABLE_VALUE_KEY: tf.constant(self._host_value())}
 
     def _restore_from_tensors(self, restored_tensors):
