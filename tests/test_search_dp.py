@@ -3,6 +3,7 @@
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 from tests.test_search_support import GraphBuilder, mlp_graph, stub_strategies
 
@@ -51,6 +52,39 @@ def test_too_wide_elimination_falls_back_to_the_cut_dp():
     assert elimination.solve(problem, max_entries=1) is None
     fallback = tofu_dp.solve_axis(problem, max_entries=1, max_states=10_000)
     assert fallback.exact and abs(fallback.objective - tofu_dp.solve_axis(problem).objective) < 1e-15
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_problems(), st.integers(0, 2**32 - 1))
+def test_a_known_structure_replays_its_order_and_stays_exact(problem, seed):
+    """The second problem of a structure (same option counts and edges, other costs) reuses
+    the first one's elimination order, with no greedy search, and is still the optimum."""
+    rng = np.random.default_rng(seed)
+    other = AxisProblem(problem.nodes, tuple(Edge(e.u, e.v, rng.uniform(0, 10, e.cost.shape)) for e in problem.edges),
+                        tuple(rng.uniform(0, 10, u.shape) for u in problem.unary), problem.memory)
+    elimination.solve(problem)
+    greedy_calls = []
+    original = elimination._Factors.eliminate_greedily
+    elimination._Factors.eliminate_greedily = lambda self, c: greedy_calls.append(c) or original(self, c)
+    try:
+        solution = elimination.solve(other)
+    finally:
+        elimination._Factors.eliminate_greedily = original
+    assert not greedy_calls
+    assert abs(solution.objective - _brute_force(other, 0.0)) < 1e-9
+    assert abs(other.objective(solution.choice, 0.0) - solution.objective) < 1e-9
+
+
+def test_a_structure_too_wide_once_is_refused_without_eliminating():
+    problem = ProblemBuilder(GraphIndex(mlp_graph(), stub_strategies), (), 4, H100_NVLINK.intra_node).build()
+    assert elimination.solve(problem, max_entries=1) is None
+    original = elimination._Factors.eliminate
+    elimination._Factors.eliminate = lambda self, x: pytest.fail("eliminated a node of a known too-wide structure")
+    try:
+        assert elimination.solve(problem, max_entries=1) is None
+    finally:
+        elimination._Factors.eliminate = original
+    assert elimination.solve(problem) is not None
 
 
 @settings(max_examples=40, deadline=None)
@@ -154,6 +188,29 @@ def test_the_relaxation_bounds_the_optimum_and_an_integral_one_is_the_optimum(pr
     if relaxation.integral is not None:
         assert relaxation.integral.exact
         assert abs(relaxation.integral.objective - best) < 1e-7
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_problems(), st.integers(0, 2**32 - 1), st.sampled_from([0.0, 0.5]))
+def test_a_relaxation_started_from_another_costs_basis_is_the_cold_optimum(problem, seed, lam):
+    """The relaxation of a structure solved before starts from that solve's basis; its
+    bound is the cold solve's, and an integral one is the optimum."""
+    rng = np.random.default_rng(seed)
+    other = AxisProblem(problem.nodes, tuple(Edge(e.u, e.v, rng.uniform(0, 10, e.cost.shape)) for e in problem.edges),
+                        tuple(rng.uniform(0, 10, u.shape) for u in problem.unary),
+                        tuple(rng.uniform(0, 10, m.shape) for m in problem.memory))
+    ilp.solve_relaxation(problem, lam)
+    warm = ilp.solve_relaxation(other, lam)
+    saved, ilp._WARM = ilp._WARM, ilp._WarmStarts()
+    try:
+        cold = ilp.solve_relaxation(other, lam)
+    finally:
+        ilp._WARM = saved
+    assert abs(warm.bound - cold.bound) < 1e-7
+    best = _brute_force(other, lam)
+    assert warm.bound <= best + 1e-7
+    if warm.integral is not None:
+        assert abs(warm.integral.objective - best) < 1e-7
 
 
 @settings(max_examples=40, deadline=None)

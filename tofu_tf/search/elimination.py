@@ -128,6 +128,10 @@ class _Factors:
         self.add(tuple(rest), best)
         return _Record(x, tuple(rest), argmin)
 
+    def eliminate_in_order(self, order: Sequence[int]) -> list[_Record]:
+        """Eliminate nodes in a known order (one ``eliminate_greedily`` chose before)."""
+        return [self.eliminate(x) for x in order]
+
     def eliminate_greedily(self, candidates: set[int]) -> list[_Record]:
         """Eliminate ``candidates``, always the one whose table would be smallest."""
         heap = [(self.weight(x), x) for x in candidates]
@@ -150,23 +154,63 @@ class _Factors:
         return records
 
 
+class _Orders:
+    """Elimination orders already chosen, by the problem's structure.
+
+    The greedy order depends only on which nodes the tables mention and how many
+    options each node has, not on the costs. A search solves the same structure
+    many times (each mesh-shape prefix, each multiplier of a budgeted search): the
+    coarsened nodes and edges are the graph's, and the option counts often repeat.
+    Replaying a known order gives the same tables, so the same optimum, without the
+    heap; and a structure known to be too wide fails at once. Bounded, oldest out."""
+
+    _LIMIT = 64
+
+    def __init__(self):
+        self._orders: dict[tuple, tuple | None] = {}
+
+    def get(self, key: tuple):
+        return self._orders.get(key, _UNKNOWN)
+
+    def put(self, key: tuple, orders: tuple | None) -> None:
+        if len(self._orders) >= self._LIMIT:
+            del self._orders[next(iter(self._orders))]
+        self._orders[key] = orders
+
+
+_UNKNOWN = object()
+_ORDERS = _Orders()
+
+
 def solve(problem: AxisProblem, lam: float = 0.0, *,
           max_entries: int = DEFAULT_MAX_ENTRIES) -> EliminationResult | None:
     """Minimize ``problem``'s objective exactly; None if some table would exceed ``max_entries``."""
-    try:
-        return _solve(problem, lam, max_entries)
-    except _TooWide:
-        return None
-
-
-def _solve(problem: AxisProblem, lam: float, max_entries: int) -> EliminationResult:
-    domain = [len(node.options) for node in problem.nodes]
     folds = _foldable(problem) if problem.blocks is not None else []
+    key = (max_entries, tuple(len(node.options) for node in problem.nodes),
+           tuple((edge.u, edge.v) for edge in problem.edges),
+           tuple((tuple(members), tuple(sorted(interior))) for _, members, interior, _ in folds))
+    known = _ORDERS.get(key)
+    if known is None:
+        return None
+    try:
+        result, orders = _solve(problem, lam, max_entries, folds, None if known is _UNKNOWN else known)
+    except _TooWide:
+        _ORDERS.put(key, None)
+        return None
+    if known is _UNKNOWN:
+        _ORDERS.put(key, orders)
+    return result
+
+
+def _solve(problem: AxisProblem, lam: float, max_entries: int, folds, known: tuple | None):
+    """The optimum, and the elimination orders used (per fold, then the rest), which
+    replay ``known`` when given."""
+    domain = [len(node.options) for node in problem.nodes]
     skip_nodes: set[int] = set()
     skip_edges: set[int] = set()
     block_records: list[tuple[list[_Record], list[int]]] = []
     factors = _Factors(domain, max_entries)
-    for start, members, interior, edge_ids in folds:
+    for f, (start, members, interior, edge_ids) in enumerate(folds):
         local = _Factors(domain, max_entries)       # indices of the first block of the group
         first = members[0]
         for i in range(first, first + problem.blocks.period):
@@ -174,7 +218,10 @@ def _solve(problem: AxisProblem, lam: float, max_entries: int) -> EliminationRes
         for e in edge_ids[first]:
             edge = problem.edges[e]
             local.add((edge.u, edge.v), edge.cost)
-        records = local.eliminate_greedily({first + r for r in interior})
+        if known is None:
+            records = local.eliminate_greedily({first + r for r in interior})
+        else:
+            records = local.eliminate_in_order(known[f])
         factors.widest = max(factors.widest, local.widest)
         leftovers = list(local.tables.values())
         for b in members:
@@ -194,8 +241,11 @@ def _solve(problem: AxisProblem, lam: float, max_entries: int) -> EliminationRes
     for e, edge in enumerate(problem.edges):
         if e not in skip_edges:
             factors.add((edge.u, edge.v), edge.cost)
-    remaining = set(range(len(problem.nodes))) - skip_nodes
-    records = factors.eliminate_greedily(remaining)
+    if known is None:
+        records = factors.eliminate_greedily(set(range(len(problem.nodes))) - skip_nodes)
+    else:
+        records = factors.eliminate_in_order(known[-1])
+    orders = tuple(tuple(r.node for r in block) for block, _ in block_records) + (tuple(r.node for r in records),)
     choice = [0] * len(problem.nodes)
     _read_back(records, choice, 0)
     values = np.asarray(choice, dtype=np.int64)
@@ -204,7 +254,7 @@ def _solve(problem: AxisProblem, lam: float, max_entries: int) -> EliminationRes
     choice = values.tolist()
     objective = factors.constant
     return EliminationResult(tuple(choice), float(objective), factors.widest,
-                             sum(len(m) - 1 for _, m, _, _ in folds))
+                             sum(len(m) - 1 for _, m, _, _ in folds)), orders
 
 
 def _read_back(records: list[_Record], choice: list[int], shift: int) -> None:

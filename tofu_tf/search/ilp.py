@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -80,30 +81,67 @@ class Relaxation:
 def solve_relaxation(problem: AxisProblem, lam: float = 0.0) -> Relaxation | None:
     """The relaxation's optimum (HiGHS' LP solver, no branching), or None without ``highspy``.
 
-    A fraction of the integer program's time (a keras-hub T5's axis problem: 0.2 s against
-    0.7-1.0 s): often integral, and otherwise a bound that can prove another solution at
-    least as good."""
+    A fraction of the integer program's time: often integral, and otherwise a bound that
+    can prove another solution at least as good. A problem with the structure of one
+    solved before (``_WarmStarts``) starts from that one's optimal basis."""
     try:
         import highspy
     except ImportError:
         return None
     cost, matrix, rhs, offsets, num_x = _model(problem, lam)
-    with _stdout_silenced():
-        highs = highspy.Highs()
-    highs.setOptionValue("output_flag", False)
-    lp = _lp(highspy, cost, matrix, rhs, num_x)
-    lp.integrality_ = []
-    highs.passModel(lp)
-    highs.run()
-    if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        return None
-    values = np.asarray(highs.getSolution().col_value)
-    bound = float(highs.getInfo().objective_function_value)
+    with _WARM.lock:
+        highs = _WARM.solver(highspy, problem, cost, matrix, rhs, num_x)
+        highs.run()
+        if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        values = np.asarray(highs.getSolution().col_value)
+        bound = float(highs.getInfo().objective_function_value)
     picks = [values[offsets[i]: offsets[i] + len(node.options)] for i, node in enumerate(problem.nodes)]
     if all(np.max(x) > 1 - 1e-7 for x in picks):
         choice = tuple(int(np.argmax(x)) for x in picks)
         return Relaxation(bound, AxisSolution(choice, problem.objective(choice, lam), True, 0))
     return Relaxation(bound, None)
+
+
+class _WarmStarts:
+    """HiGHS solvers of relaxations already solved, by the problem's structure.
+
+    A search solves the same structure many times (each mesh-shape prefix and role
+    builds the graph's nodes and edges again, often with the same option counts):
+    same constraint matrix, other costs. HiGHS keeps the optimal basis of its last
+    solve, and after a change of costs only its primal simplex runs from there, which
+    typically takes a few iterations instead of thousands. Bounded, oldest out."""
+
+    _LIMIT = 8
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self._solvers: dict[tuple, object] = {}
+
+    def solver(self, highspy, problem: AxisProblem, cost, matrix, rhs, num_x):
+        """A solver holding ``problem``'s relaxation (``cost`` set), warm where it can be."""
+        key = (tuple(len(node.options) for node in problem.nodes), tuple((e.u, e.v) for e in problem.edges))
+        highs = self._solvers.get(key)
+        if highs is not None:
+            highs.changeColsCost(len(cost), np.arange(len(cost), dtype=np.int32), cost)
+            return highs
+        with _stdout_silenced():
+            highs = highspy.Highs()
+        highs.setOptionValue("output_flag", False)
+        # HiGHS' presolve finds little to remove in these problems (one equality per node and
+        # per edge endpoint) and takes most of a cold solve's time; dual simplex without it is
+        # several times faster to the same optimum (bench/README.md, planner table).
+        highs.setOptionValue("presolve", "off")
+        lp = _lp(highspy, cost, matrix, rhs, num_x)
+        lp.integrality_ = []
+        highs.passModel(lp)
+        if len(self._solvers) >= self._LIMIT:
+            del self._solvers[next(iter(self._solvers))]
+        self._solvers[key] = highs
+        return highs
+
+
+_WARM = _WarmStarts()
 
 
 def _solve_highspy(highspy, cost, matrix, rhs, num_x, time_limit_s, mip_rel_gap, stop_at, started):
