@@ -249,6 +249,7 @@ def prepare_for_dtensor(model) -> list[Transformation]:
             changes.append(Transformation(path, "pooling as reshape+mean",
                                           "DTensor cannot expand AvgPoolGrad"))
         if hasattr(layer, "unroll") and hasattr(layer, "cell") and not layer.unroll:
+            _refuse_unrollable(path, layer)
             _unroll(layer, wrapped_steps[id(layer)] if id(layer) in wrapped_steps else _timesteps(layer))
             changes.append(Transformation(path, "unroll=True",
                                           "DTensor cannot expand the TensorList ops of a While loop"))
@@ -489,6 +490,21 @@ def _mean_pool_2d(layer, inputs):
     x = inputs[:, : rows * ph, : cols * pw, :]
     x = tf.reshape(x, [-1, rows, ph, cols, pw, channels])
     return tf.reduce_mean(x, axis=[2, 4])
+
+
+def _refuse_unrollable(path: str, layer) -> None:
+    """tf-keras' convolutional RNNs (ConvLSTM1D/2D/3D) run their recurrence as a ``While``
+    loop over TensorLists, which DTensor cannot expand, and cannot be unrolled: their
+    ``call`` never passes ``unroll`` on. Refused before the first step, not left to fail
+    inside DTensor with its own text."""
+    if any(cls.__name__ == "ConvRNN" and cls.__module__.startswith("tf_keras.") for cls in type(layer).__mro__):
+        raise keras_adapter.UnsupportedModelError(
+            f"layer {path!r} ({type(layer).__name__}) runs its recurrence as a While loop over TensorLists, "
+            "which DTensor cannot partition, and tf-keras' convolutional RNNs cannot be unrolled "
+            "(unroll=True is refused by the layer). Use Keras 3's "
+            f"keras.layers.{type(layer).__name__} (it unrolls with a static sequence length), or apply the "
+            "convolution per step (keras.layers.TimeDistributed) before an LSTM; or train this model "
+            "without TofuStrategy.")
 
 
 def _unroll(layer, timesteps) -> None:

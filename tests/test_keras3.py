@@ -185,14 +185,19 @@ def test_keras3_ops_belong_to_the_layer_that_made_them():
                and graph.tensors[op.outputs[0]].shape[-1:] == (128,))
 
 
-@pytest.mark.parametrize("case", ["conv1d", "masked_lstm"])
+@pytest.mark.parametrize("case", ["conv1d", "masked_lstm", "conv_lstm"])
 def test_keras3_sequence_models_train_as_one_device(case):
-    """Embedding -> Conv1D whose bias the plan would split (DTensor then failed), and an
+    """Embedding -> Conv1D whose bias the plan would split (DTensor then failed), an
     LSTM reading a mask from Embedding(mask_zero=True) (Keras 3 lists the mask among
-    the layer's inputs: its sequence length was not found)."""
+    the layer's inputs: its sequence length was not found), and the ConvLSTM2D that
+    tf-keras users are pointed to (Keras 3's unrolls; tf-keras' is refused)."""
     def build():
         if case == "conv1d":
             return _text_cnn()
+        if case == "conv_lstm":
+            keras.utils.set_random_seed(3)
+            return keras.Sequential([keras.Input((3, 6, 6, 2)), keras.layers.ConvLSTM2D(4, 3, padding="same"),
+                                     keras.layers.GlobalMaxPooling2D(), keras.layers.Dense(4)])
         keras.utils.set_random_seed(3)
         return keras.Sequential([keras.Input((12,), dtype="int32"), keras.layers.Embedding(64, 32, mask_zero=True),
                                  keras.layers.LSTM(16), keras.layers.Dense(4)])
@@ -201,6 +206,8 @@ def test_keras3_sequence_models_train_as_one_device(case):
     length = 16 if case == "conv1d" else 12
     x, y = rng.integers(0, 64, (24, length)).astype("int32"), rng.integers(0, 4, 24).astype("int32")
     x[:, 9:] = 0
+    if case == "conv_lstm":
+        x = rng.random((24, 3, 6, 6, 2), dtype=np.float32)
     h.assert_trained_alike(*h.train_beside_one_device(build, x, y, compile_fn=compile_model), rtol=1e-4)
 
 

@@ -494,6 +494,24 @@ def test_a_bidirectional_lstm_trains_as_one_device():
     h.assert_trained_alike(*h.train_beside_one_device(build, x, y))
 
 
+@pytest.mark.parametrize("run", ["fit", "predict"])
+def test_a_tf_keras_convolutional_rnn_is_refused_naming_the_layer(run):
+    """tf-keras' ConvLSTM2D loops over TensorLists, which DTensor cannot expand, and its
+    call ignores unroll: refused before the first step (was: DTensor's UnknownError
+    "'tf.TensorListStack' op does not implement layout propagation" from predict)."""
+    from tofu_tf.tf.keras_adapter import UnsupportedModelError
+    x = np.random.default_rng(0).random((8, 4, 8, 8, 3), dtype=np.float32)
+    with TofuStrategy(8).scope():
+        model = keras.Sequential([keras.Input(x.shape[1:]), keras.layers.ConvLSTM2D(4, 3, padding="same"),
+                                  keras.layers.GlobalMaxPooling2D(), keras.layers.Dense(2)])
+        model.compile(loss="mse", optimizer="adam")
+    with pytest.raises(UnsupportedModelError, match=r"conv_lstm2d.*ConvLSTM2D.*Keras 3"):
+        if run == "fit":
+            model.fit(x, np.zeros((8, 2), np.float32), batch_size=8, verbose=0)
+        else:
+            model.predict(x, batch_size=8, verbose=0)
+
+
 @pytest.mark.parametrize("weights_file", ["pretrained.weights.h5", "pretrained_checkpoint"])
 def test_weights_loaded_before_the_plan_are_trained_from(tmp_path, weights_file):
     """Fine-tuning: load_weights under the scope, before any step. The h5 path assigned
