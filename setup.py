@@ -25,7 +25,12 @@ setup(
         # highspy: the ILP reference reads HiGHS's improving solutions through it (tests
         # cover that path and the scipy.optimize.milp fallback); bench/planner.py's ILP race too.
         # keras-hub: the tests and bench/zoo.py train its models (small configs, no downloads).
-        "test": ["pytest>=8", "hypothesis>=6.100", "highspy>=1.7", "keras-hub>=0.32,<0.33"],
+        # matplotlib: Plan.to_png and tofu-plan --png (the HTML page needs nothing); the tests draw one.
+        # pytest-xdist: the README's test command runs the suite on two workers, a file each.
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "highspy>=1.7", "keras-hub>=0.32,<0.33",
+                 "matplotlib>=3.8"],
         "bench": ["highspy>=1.7", "keras-hub>=0.32,<0.33"],
+        "plot": ["matplotlib>=3.8"],
     },
+    entry_points={"console_scripts": ["tofu-plan=tofu_tf.plan_command:entry_point"]},
 )

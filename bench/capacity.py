@@ -78,7 +78,7 @@ class Trial:
 def _strategy(method):
     if method == "tofu":
         from tofu_tf import TofuStrategy
-        return TofuStrategy(NUM_DEVICES)
+        return TofuStrategy(NUM_DEVICES, plan_cache=False)   # each size searched, not read back
     from tensorflow.experimental import dtensor
     from tensorflow.python.distribute.experimental import mirrored_strategy
     mesh = dtensor.create_mesh([("batch", NUM_DEVICES)], devices=[f"CPU:{i}" for i in range(NUM_DEVICES)])

@@ -138,7 +138,8 @@ def main(argv):
                 budget = int(peak * FLAGS.memory_fraction)
             reference.compile(optimizer="adam", loss=loss)
             rows["one"].append(_fit(reference, x, y, keras))
-            strategy = TofuStrategy(FLAGS.num_devices, memory_budget_bytes=budget)
+            # No plan cache: the first fit measured here includes its search, every repeat.
+            strategy = TofuStrategy(FLAGS.num_devices, memory_budget_bytes=budget, plan_cache=False)
             with strategy.scope():
                 keras.utils.set_random_seed(0)
                 model = family.build(FLAGS.width)

@@ -80,17 +80,21 @@ class TofuStrategy(distribute_lib.Strategy):
         device or variable is made (every problem named in one ``tofu_tf.PlanError``), each
         variable against its layout as it is made, and its entries against the model's
         variables at the first training step (``tofu_tf.plan_check``).
+      plan_cache: where plans are kept between runs (``tofu_tf.plan_cache``): True (default)
+        for ``$TOFU_PLAN_CACHE`` or the user's cache directory, a directory, or False for no
+        cache. A run that plans the same captured step with the same options takes its plan
+        from there instead of searching again, and logs so.
     """
 
     def __init__(self, num_gpus: int = 8, *, memory_budget_bytes: int | None = None,
-                 mesh_shape=None, hardware=None, method: str = "tofu", plan=None):
+                 mesh_shape=None, hardware=None, method: str = "tofu", plan=None, plan_cache=True):
         if plan is not None:
             plan = plan_lib.read_plan(plan)
             plan_check.check_plan(plan, num_gpus)   # before devices: a wrong plan costs nothing
         device_set = devices_lib.provide_devices(num_gpus)
         options = _PlanOptions(memory_budget_bytes=memory_budget_bytes, mesh_shape=mesh_shape,
                                hardware=hardware or ("cpu-virtual" if device_set.device_type == "CPU" else "h100-nvlink"),
-                               method=method)
+                               method=method, plan_cache=plan_cache)
         super().__init__(_TofuExtended(self, device_set, options, plan))
 
     @property
@@ -161,6 +165,7 @@ class _PlanOptions:
     mesh_shape: object
     hardware: object
     method: str
+    plan_cache: object = True     # True: the default directory; a directory; False: none
 
 
 class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
@@ -240,8 +245,6 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
     def _plan_captured(self, model, optimizer, batch_size: int, capture) -> None:
         """Plan the step ``capture()`` traces for ``model``, adopt the plan and make the variables."""
-        from tofu_tf.search import plan_graph
-
         logging.info("TofuStrategy: planning %s for batch %d on %d %s devices", model.name, batch_size,
                      self._devices.count, self._devices.device_type)
         self._prepare(model)
@@ -252,14 +255,26 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         with self._creating_plain_variables():
             graph = capture()
             captured = time.perf_counter()
-            plan = plan_graph(graph, num_devices=self._devices.count, method=self._options.method,
-                              memory_budget_bytes=self._options.memory_budget_bytes,
-                              mesh_shape=self._options.mesh_shape, hardware=self._options.hardware)
+            plan = self._search(graph)
         planned = time.perf_counter()
         self._adopt(plan)
         logging.info("TofuStrategy: captured the step (%d ops) in %.2f s, planned in %.2f s, lowered and "
                      "created the variables shard by shard in %.2f s", len(graph.ops), captured - start,
                      planned - captured, time.perf_counter() - planned)
+
+    def _search(self, graph):
+        """The plan of ``graph`` under the user's options: from the plan cache when it holds it."""
+        from tofu_tf import plan_cache
+        from tofu_tf.search import plan_graph
+
+        options = dict(num_devices=self._devices.count, method=self._options.method,
+                       memory_budget_bytes=self._options.memory_budget_bytes,
+                       mesh_shape=self._options.mesh_shape, hardware=self._options.hardware)
+        directory = self._options.plan_cache
+        if directory is False or (directory is True and plan_cache.cache_disabled()):
+            return plan_graph(graph, **options)
+        cache = plan_cache.PlanCache(None if directory is True else directory)
+        return plan_cache.plan_with_cache(graph, cache=cache, **options).plan
 
     def _prepare(self, model) -> None:
         optimizer = getattr(model, "optimizer", None)

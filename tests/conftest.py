@@ -11,6 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Every test plans afresh and writes nothing under the user's cache directory; the
+# plan cache's own tests give it a directory of their own.
+os.environ["TOFU_PLAN_CACHE"] = "off"
 # Not TF_CPU_ALLOCATOR_USE_BFC: with it DTensor fails to fill scalars on CPU
 # ("TF_TensorData returned nullptr"); memory tests run it in a subprocess.
 
@@ -18,3 +21,17 @@ from tofu_tf.tf import devices  # noqa: E402  (TF is imported here, once)
 
 NUM_DEVICES = 8
 devices.configure_virtual_cpus(NUM_DEVICES)
+
+
+# -- shared by the plan view tests (test_plan_report, test_plan_cache, test_plan_command) ------
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_mlp_graph():
+    """A captured training step small enough to plan in a fraction of a second."""
+    from tofu_tf import models
+    from tofu_tf.tf.capture import capture_training_step
+    model = models.mlp(input_dim=16, width=32, depth=2, num_classes=8)
+    return capture_training_step(model, batch_size=8, loss="sparse_categorical_crossentropy", optimizer="adam")

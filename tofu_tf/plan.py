@@ -142,6 +142,22 @@ class Plan:
         lines.extend(f"  note: {note}" for note in self.notes[:top])
         return "\n".join(lines)
 
+    def to_html(self, path, *, graph=None, comparison=None) -> None:
+        """Write the plan's page to ``path``: one self-contained HTML file (``tofu_tf.plan_report``).
+        With the captured ``graph`` its activations are listed by layer; ``comparison`` maps a
+        method's name to its plan, or to why it gave none."""
+        from tofu_tf import plan_report
+        plan_report.write_html(self, path, graph=graph, comparison=comparison)
+
+    def to_png(self, path, *, comparison=None) -> None:
+        """Draw memory per device by role against the budget, and communication by layer (matplotlib)."""
+        from tofu_tf import plan_report
+        plan_report.write_png(self, path, comparison=comparison)
+
+    def _repr_html_(self) -> str:
+        from tofu_tf import plan_report
+        return plan_report.html_fragment(self)
+
     # -- JSON ----------------------------------------------------------------
     def to_dict(self) -> dict:
         return {

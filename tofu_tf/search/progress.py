@@ -5,7 +5,9 @@ its timesteps on 64 devices: dozens of meshes, each with axis problems too wide 
 exact elimination that go to HiGHS). A user waiting on the first ``fit`` should see
 which mesh and axis the planner is on and how far it has come, and a fast plan
 should not fill the log: each solved axis problem is logged at INFO once the search
-has run ``QUIET_SECONDS``, and at verbosity 1 (``--v=1``) before that.
+has run ``QUIET_SECONDS``, and at verbosity 1 (``--v=1``) before that, with an
+estimate of the first pass's remaining time at the pace so far (a budget that
+the first pass's plans miss adds a bisection, which no estimate foresees).
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ class SearchProgress:
         """Log one solved axis problem: where it sits in the search and how long it took."""
         self.solved += 1
         elapsed = self._clock() - self._start
-        if self.solved <= self._first_pass:
+        if self.solved < self._first_pass:
+            # Axis problems take alike on average: the rest of the first pass at the pace so far.
+            left = elapsed / self.solved * (self._first_pass - self.solved)
+            count = f"{self.solved} of {self._first_pass} axis problems solved, about {left:.0f} s to go"
+        elif self.solved == self._first_pass:
             count = f"{self.solved} of {self._first_pass} axis problems solved"
         else:
             count = f"{self.solved} axis problems solved (searching for a plan within the memory budget)"
