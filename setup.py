@@ -5,6 +5,7 @@ from setuptools import find_packages, setup
 setup(
     name="tofu_tf",
     version="0.1.0",
+    license="Apache-2.0",
     description="Automatic partitioning of TensorFlow/Keras training steps across devices (Tofu on DTensor)",
     packages=find_packages(include=["tofu_tf", "tofu_tf.*", "strategies", "strategies.*"]),
     # The pipeline memory regression's measured samples.

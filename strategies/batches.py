@@ -23,10 +23,11 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.experimental import dtensor
 
+from tofu_tf.errors import TofuError
 from tofu_tf.tf import variables as variables_lib
 
 
-class UnplaceableBatchError(TypeError):
+class UnplaceableBatchError(TofuError, TypeError):
     """A batch holds a value TofuStrategy cannot lay out on the mesh."""
 
 

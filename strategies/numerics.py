@@ -41,6 +41,7 @@ import tensorflow as tf
 from absl import logging
 
 from strategies import keras_hooks
+from tofu_tf.errors import TofuError
 from tofu_tf.plan import format_bytes
 from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import variables as variables_lib
@@ -63,11 +64,11 @@ _NORMALIZING_OPTIMIZERS = frozenset({"Adam", "AdamW", "Adamax", "Nadam", "RMSpro
                                      "Lamb", "Muon"})
 
 
-class NumericsCheckError(ValueError):
+class NumericsCheckError(TofuError, ValueError):
     """The numerics check cannot run as called (what to change is in the message)."""
 
 
-class HostMemoryError(MemoryError):
+class HostMemoryError(TofuError, MemoryError):
     """The host cannot hold the one-device copy the numerics check needs."""
 
 

@@ -50,13 +50,14 @@ from strategies import keras_hooks
 from strategies import step_functions
 from tofu_tf import plan as plan_lib
 from tofu_tf import plan_check
+from tofu_tf.errors import TofuError
 from tofu_tf.tf import devices as devices_lib
 from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import lowering
 from tofu_tf.tf import variables as variables_lib
 
 
-class PlanningError(RuntimeError):
+class PlanningError(TofuError, RuntimeError):
     """The strategy could not make a plan for the model it was asked to train."""
 
 

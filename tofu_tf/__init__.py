@@ -5,6 +5,7 @@ TensorFlow, so importing this package is cheap; the TF-facing entry points are
 loaded on first use.
 """
 
+from tofu_tf.errors import InfeasibleBudgetError, TofuError
 from tofu_tf.ir import Graph, Op, Role, Tensor, Variable, VariableKind
 
 __version__ = "0.1.0"
@@ -33,4 +34,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'tofu_tf' has no attribute {name!r}")
 
 
-__all__ = ["Graph", "Op", "Role", "Tensor", "Variable", "VariableKind", *_LAZY]
+__all__ = ["Graph", "Op", "Role", "Tensor", "Variable", "VariableKind", "TofuError", "InfeasibleBudgetError", *_LAZY]

@@ -19,12 +19,14 @@ import dataclasses
 import math
 from typing import Iterator, Sequence
 
+from tofu_tf.errors import TofuError
+
 AxisName = str
 # One entry per tensor dim: the mesh axis sharding that dim, or None.
 Layout = tuple
 
 
-class LayoutError(ValueError):
+class LayoutError(TofuError, ValueError):
     """A layout breaks one of DTensor's rules for the given mesh and shape."""
 
 

@@ -36,11 +36,13 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping, Sequence
 
+from tofu_tf.errors import TofuError
+
 # The attributes the strategy reads from a plan; a ``tofu_tf.Plan`` has more.
 PLAN_ATTRIBUTES = ("mesh_shape", "variable_layouts", "input_layouts")
 
 
-class PlanError(ValueError):
+class PlanError(TofuError, ValueError):
     """A plan that cannot be used as given. ``problems`` lists each reason, one line each."""
 
     # Raised while Keras' first step is traced: TF's autograph would re-create the error as a

@@ -30,13 +30,14 @@ from typing import Mapping, TextIO
 
 from absl import app, flags, logging
 
+from tofu_tf.errors import TofuError
 from tofu_tf.plan import Method, Plan
 
 EXIT_BAD_INPUT = 2
 _COMPARABLE = tuple(m.value for m in Method)
 
 
-class CommandError(Exception):
+class CommandError(TofuError):
     """Input the command cannot plan from; the message names the problem and the fix."""
 
 

@@ -22,6 +22,7 @@ from typing import Mapping
 
 from tofu_tf import ir
 from tofu_tf.cost import hardware as hardware_profiles
+from tofu_tf.errors import TofuError
 from tofu_tf.plan import Plan, format_bytes
 
 # Memory roles in the order the bars stack them, with their colours (HTML and PNG alike).
@@ -33,7 +34,7 @@ _TOP_LAYERS = 30
 _NO_LAYER = "(loss and optimizer bookkeeping)"
 
 
-class PlotUnavailableError(ImportError):
+class PlotUnavailableError(TofuError, ImportError):
     """matplotlib, which draws the PNG, is not installed."""
 
 

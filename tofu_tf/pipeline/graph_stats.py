@@ -53,6 +53,7 @@ from tofu_tf import ir
 from tofu_tf.cost import compute as compute_cost
 from tofu_tf.cost import hardware as hardware_profiles
 from tofu_tf.cost.memory import Liveness, alias_map
+from tofu_tf.errors import TofuError
 from tofu_tf.pipeline.stats import LayerStats
 
 _BACKWARD_SCOPE = "gradient_tape"
@@ -83,7 +84,7 @@ class Unit:
     signature: str = ""  # equal for units with the same forward ops on the same shapes
 
 
-class GraphStatsError(ValueError):
+class GraphStatsError(TofuError, ValueError):
     """The captured step does not map onto the model's layers."""
 
 

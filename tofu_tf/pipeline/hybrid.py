@@ -46,6 +46,7 @@ from typing import Sequence
 
 from tofu_tf.cost import hardware as hardware_profiles
 from tofu_tf.cost.collectives import Collective, collective_cost
+from tofu_tf.errors import InfeasibleBudgetError
 from tofu_tf.pipeline.partition import partition
 from tofu_tf.pipeline.regression import MemoryRegression
 from tofu_tf.pipeline.stage_model import Schedule, inflight_microbatches
@@ -53,10 +54,6 @@ from tofu_tf.pipeline.stats import LayerStats
 
 _FP32 = 4
 _MAX_MICROBATCHES_PER_STAGE = 4
-
-
-class InfeasibleBudgetError(ValueError):
-    """No factorisation fits the memory budget."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,6 +60,7 @@ from typing import Callable, Sequence
 
 from absl import logging
 
+from tofu_tf.errors import TofuError
 from tofu_tf.pipeline.graph_stats import ChainAnalysis
 from tofu_tf.pipeline.stats import LayerStats
 
@@ -67,7 +68,7 @@ from tofu_tf.pipeline.stats import LayerStats
 _WORKER_TIMEOUT_S = 900
 
 
-class ProfilingError(RuntimeError):
+class ProfilingError(TofuError, RuntimeError):
     """A profiling subprocess failed; the message carries its error output."""
 
 

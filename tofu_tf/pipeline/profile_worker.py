@@ -44,12 +44,14 @@ import json
 import pickle
 import sys
 
+from tofu_tf.errors import TofuError
+
 _BFC_GRANULE = 256
 # Address space reserved (not touched) up front; see _reserve_ballast.
 _BALLAST_BYTES = 1 << 30
 
 
-class StageBuildError(ValueError):
+class StageBuildError(TofuError, ValueError):
     """A stage cannot be cut out of the model where it was asked to start or end."""
 
 

@@ -23,6 +23,7 @@ from tofu_tf import ir
 from tofu_tf.cost.evaluate import StepCost, StepPricer, op_work_seconds
 from tofu_tf.cost.hardware import H100_NVLINK, HardwareProfile, profile
 from tofu_tf.cost.memory import Liveness
+from tofu_tf.errors import InfeasibleBudgetError
 from tofu_tf.mesh import MeshSpec, ordered_factorizations
 from tofu_tf.plan import CommCost, Method, Objective, Plan, format_bytes
 from tofu_tf.search import baselines, tofu_dp
@@ -35,10 +36,6 @@ from tofu_tf.semantics.strategy import REPLICATED
 
 _MEMORY_LAMBDA = 1.0        # seconds per byte: memory dominates any communication time
 _BISECTION_STEPS = 8
-
-
-class InfeasibleBudgetError(ValueError):
-    """No plan the search can build fits the per-device memory budget."""
 
 
 @dataclasses.dataclass(frozen=True)

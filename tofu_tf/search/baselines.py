@@ -20,12 +20,13 @@ from __future__ import annotations
 from typing import Callable
 
 from tofu_tf import ir
+from tofu_tf.errors import TofuError
 from tofu_tf.search.coarsen import GraphIndex
 from tofu_tf.search.problem import Option
 from tofu_tf.semantics.strategy import REPLICATED, TensorSplit
 
 
-class BaselineNotApplicableError(ValueError):
+class BaselineNotApplicableError(TofuError, ValueError):
     """The model does not have the structure a hand pattern needs."""
 
 

@@ -43,12 +43,13 @@ from typing import Sequence
 
 import numpy as np
 
+from tofu_tf.errors import TofuError
 from tofu_tf.search.problem import AxisProblem
 
 DEFAULT_MAX_ENTRIES = 1 << 21
 
 
-class _TooWide(Exception):
+class _TooWide(TofuError):
     """An elimination would build a table above the size limit."""
 
 

@@ -29,11 +29,12 @@ import time
 import numpy as np
 from scipy import sparse
 
+from tofu_tf.errors import TofuError
 from tofu_tf.search.problem import AxisProblem
 from tofu_tf.search.tofu_dp import AxisSolution
 
 
-class ILPError(RuntimeError):
+class ILPError(TofuError, RuntimeError):
     """HiGHS found no feasible solution within the time limit."""
 
 

@@ -14,11 +14,12 @@ the search -- so tests can run it on whatever the search produced:
 from __future__ import annotations
 
 from tofu_tf import ir
+from tofu_tf.errors import TofuError
 from tofu_tf.mesh import LayoutError, MeshSpec, check_layout
 from tofu_tf.plan import Plan
 
 
-class IllegalPlanError(ValueError):
+class IllegalPlanError(TofuError, ValueError):
     """A plan breaks a DTensor rule or disagrees with its graph."""
 
 

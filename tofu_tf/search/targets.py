@@ -109,6 +109,7 @@ import re
 from typing import Iterator, Sequence
 
 from tofu_tf import ir
+from tofu_tf.errors import TofuError
 from tofu_tf.semantics.strategy import OpStrategy
 
 CONV_OPS = frozenset({
@@ -176,7 +177,7 @@ def axis_roles(target: Target) -> tuple[AxisRole, ...]:
     return (AxisRole.ANY,) if target is Target.IDEAL else (AxisRole.BATCH, AxisRole.MODEL)
 
 
-class UnsupportedOpError(ValueError):
+class UnsupportedOpError(TofuError, ValueError):
     """The training step holds ops the target cannot run in any layout."""
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 
+from tofu_tf.errors import TofuError
 from tofu_tf.semantics.language import Affine, Description, Digit, Gathered, Use, Whole
 from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, TensorSplit, replicate_all
 
@@ -42,7 +43,7 @@ class _Dim(enum.Enum):
     FAIL = "fail"
 
 
-class _Unsplittable(Exception):
+class _Unsplittable(TofuError):
     """Raised inside the analysis of one index; never escapes this module."""
 
 

@@ -24,10 +24,11 @@ import dataclasses
 import enum
 from typing import Mapping
 
+from tofu_tf.errors import TofuError
 from tofu_tf.semantics.strategy import Reduction
 
 
-class DescriptionError(ValueError):
+class DescriptionError(TofuError, ValueError):
     """A program does not describe the op it was traced for (wrong arity, rank,
     missing index size ...). The message names the op and what to change."""
 

@@ -24,6 +24,7 @@ from typing import Callable
 from absl import logging
 
 from tofu_tf import ir
+from tofu_tf.errors import TofuError
 from tofu_tf.semantics import derive as _derive
 from tofu_tf.semantics.language import Description, DescriptionError, replicated
 from tofu_tf.semantics.strategy import OpStrategy
@@ -62,7 +63,7 @@ class OpSemantics:
     summary: str = ""
 
 
-class DuplicateOpError(ValueError):
+class DuplicateOpError(TofuError, ValueError):
     """An op type was registered twice in one registry."""
 
 

@@ -21,8 +21,10 @@ import os
 import tensorflow as tf
 from absl import logging
 
+from tofu_tf.errors import TofuError
 
-class DeviceSetupError(RuntimeError):
+
+class DeviceSetupError(TofuError, RuntimeError):
     """The devices a run asked for cannot be provided."""
 
 

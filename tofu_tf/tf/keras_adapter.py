@@ -16,8 +16,10 @@ from typing import Callable, Iterator
 
 import tensorflow as tf
 
+from tofu_tf.errors import TofuError
 
-class UnsupportedModelError(TypeError):
+
+class UnsupportedModelError(TofuError, TypeError):
     """The object given as a model is not a Keras model tofu_tf can trace."""
 
 
@@ -112,7 +114,7 @@ def tf_variable(variable) -> tf.Variable:
     raise UnsupportedModelError(f"variable {variable_path(variable)!r} is not backed by a tf.Variable")
 
 
-class DynamicShapeError(ValueError):
+class DynamicShapeError(TofuError, ValueError):
     """A tensor of the step has a dimension unknown at trace time."""
 
 

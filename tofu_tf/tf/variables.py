@@ -36,6 +36,7 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
 from tensorflow.python.trackable import constants as trackable_constants
 
+from tofu_tf.errors import TofuError
 from tofu_tf.tf import keras_adapter
 
 
@@ -352,7 +353,7 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
         return self._write("assign_sub", np.subtract, delta, use_locking, name, read_value)
 
 
-class DeferredVariableError(RuntimeError):
+class DeferredVariableError(TofuError, RuntimeError):
     def __init__(self, name):
         super().__init__(
             f"variable {name!r} has no value yet: TofuStrategy creates variables once the model "
@@ -360,7 +361,7 @@ class DeferredVariableError(RuntimeError):
             "Call one of those before reading weights.")
 
 
-class DTensorExportError(RuntimeError):
+class DTensorExportError(TofuError, RuntimeError):
     """A SavedModel export of a TofuStrategy model that cannot be made as one device would make it."""
 
     @classmethod
