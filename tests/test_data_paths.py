@@ -111,7 +111,7 @@ def test_a_new_input_signature_is_traced_once_and_logged(caplog):
     the log once, whatever the number of epochs."""
     _, model = _pair("tf_keras")
     x, y = _data(21)
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO", logger="absl"):   # absl may be at WARNING once its flags were parsed
         model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
     new = [r.getMessage() for r in caplog.records if "new input signature" in r.getMessage()]
     assert len(new) == 1 and "(5, 16)" in new[0], new
