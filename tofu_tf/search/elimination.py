@@ -187,8 +187,7 @@ def solve(problem: AxisProblem, lam: float = 0.0, *,
           max_entries: int = DEFAULT_MAX_ENTRIES) -> EliminationResult | None:
     """Minimize ``problem``'s objective exactly; None if some table would exceed ``max_entries``."""
     folds = _foldable(problem) if problem.blocks is not None else []
-    key = (max_entries, tuple(len(node.options) for node in problem.nodes),
-           tuple((edge.u, edge.v) for edge in problem.edges),
+    key = (max_entries, problem.structure,
            tuple((tuple(members), tuple(sorted(interior))) for _, members, interior, _ in folds))
     known = _ORDERS.get(key)
     if known is None:

@@ -121,7 +121,7 @@ class _WarmStarts:
 
     def solver(self, highspy, problem: AxisProblem, cost, matrix, rhs, num_x):
         """A solver holding ``problem``'s relaxation (``cost`` set), warm where it can be."""
-        key = (tuple(len(node.options) for node in problem.nodes), tuple((e.u, e.v) for e in problem.edges))
+        key = problem.structure
         highs = self._solvers.get(key)
         if highs is not None:
             highs.changeColsCost(len(cost), np.arange(len(cost), dtype=np.int32), cost)

@@ -31,6 +31,7 @@ share a template; the solver checks the arrays before folding them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -163,6 +164,12 @@ class AxisProblem:
 
     def comm(self, choice: Sequence[int]) -> float:
         return self.time(choice) - self.compute(choice)
+
+    @functools.cached_property
+    def structure(self) -> tuple:
+        """Option counts and edge endpoints: what a solver's work depends on apart from the
+        costs. Problems of one search often share it (``elimination``, ``ilp`` reuse work)."""
+        return (tuple(len(node.options) for node in self.nodes), tuple((e.u, e.v) for e in self.edges))
 
 
 class ProblemBuilder:
