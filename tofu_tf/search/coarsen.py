@@ -48,6 +48,7 @@ block and shares it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -56,6 +57,7 @@ from tofu_tf import ir
 from tofu_tf.cost.memory import ALIAS_OPS, Liveness
 from tofu_tf.search import fold
 from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, Reduction, TensorSplit, replicate_all
+from tofu_tf.semantics.view import view_key
 
 P_SUM = TensorSplit(partial=Reduction.SUM)
 
@@ -66,6 +68,7 @@ _READ_OPS = frozenset({"ReadVariableOp"})
 _ASSIGN_OPS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
 _INPUT_OPS = frozenset({"Placeholder"})
 _NEVER_FREE = _READ_OPS | _ASSIGN_OPS | _INPUT_OPS | frozenset({"While", "StatelessWhile"})
+_DIGITS = re.compile(r"\d+")
 
 
 def has_bytes(tensor: ir.Tensor) -> bool:
@@ -173,7 +176,9 @@ class GraphIndex:
         self.matrix_cache: dict[tuple, np.ndarray] = {}   # transfer tables, by value (splits, bytes, n, link)
         self.members, self.paths = self._members()
         self.use_table, self.tie_edges = self._use_table()
-        self.run = fold.find_run(self) if fold_blocks else None
+        self.run = fold.find_run(
+            [self.node_signature(name) for name in self._order],
+            [(use.consumer_node, use.producer_node) for use in self.use_table]) if fold_blocks else None
         self.use_blocks = (-1,) * len(self.use_table)   # per use: the block it lies inside, or -1
         self.tie_blocks = (-1,) * len(self.tie_edges)
         self.uses_in_block: dict[int, list[Use]] = {}
@@ -514,6 +519,38 @@ class GraphIndex:
             else:
                 members[name], paths[name] = (name,), ()
         return members, paths
+
+    def node_signature(self, node: str) -> tuple:
+        """What the per-axis problem builder reads about ``node`` itself: nodes with equal
+        signatures are interchangeable, which is what ``fold.find_run`` looks for.
+
+        * op nodes: the op's view (type, attributes, input/output shapes and dtypes, small
+          constant inputs -- what the operator semantics derive strategies from), its layer
+          *kind* (the layer name without digits: lowering targets treat recurrent layers
+          apart), its compute work, which outputs are alive at the memory peak, which
+          outputs are gradient-tied, and whether it is a backward op;
+        * variable nodes: the weight's shape and bytes, whether the target pins it, and the
+          views and work of every member op (reads, assigns, folded update ops);
+        * input nodes: the op's view.
+
+        Strategy providers are assumed to depend on an op's view and layer kind only, as
+        the operator registry does. Equal nodes get equal options whenever the earlier axes
+        decided them alike (the problem builder checks that per block). Uses between nodes
+        are not part of it: ``_assign_blocks`` checks them block by block."""
+        graph = self.graph
+        if node.startswith("var:"):
+            group = self.groups[node[4:]]
+            members = self.members[node]
+            return ("var", group.shape, group.nbytes, group.key in self.pinned,
+                    tuple(sorted(self.unsplit_dims.get(group.key, ()))), len(group.paths), len(group.reads),
+                    len(group.assigns), tuple(view_key(self.ops[m], graph) for m in members),
+                    tuple(self.work.get(m, 0.0) for m in members))
+        op = self.ops[node]
+        if node in self.input_ops:
+            return ("input", view_key(op, graph))
+        return ("op", view_key(op, graph), _DIGITS.sub("", op.layer or ""), self.work.get(node, 0.0),
+                tuple(t in self.peak_live for t in op.outputs), self.tied_outputs.get(node, ()),
+                node in self.backward)
 
     def _use_table(self) -> tuple[tuple[Use, ...], tuple[TieEdge, ...]]:
         order, owner, ops, tensors, ties_of = self.order_of, self._owner, self.ops, self.graph.tensors, self.ties

@@ -6,41 +6,24 @@ so that a per-axis problem builds each distinct block once
 (``tofu_tf.search.problem``) and the solver eliminates it once
 (``tofu_tf.search.elimination``).
 
-**When two nodes are the same.** Node ``i`` and node ``i + L`` are the same if
-everything the problem builder reads about the node itself is equal:
+It works on plain data, not on the graph: one *signature* per node in node
+order (``GraphIndex.node_signature`` says what makes two nodes the same:
+everything the problem builder reads about the node itself) and, per use
+between nodes, the positions of its two ends. ``GraphIndex`` calls
+``find_run`` with both, so this module needs nothing from ``coarsen``.
 
-* op nodes: the op's view (type, attributes, input/output shapes and dtypes,
-  small constant inputs -- what the operator semantics derive strategies from),
-  its layer *kind* (the layer name without digits: lowering targets treat
-  recurrent layers apart), its compute work, which outputs are alive at the
-  memory peak, which outputs are gradient-tied, and whether it is a backward op;
-* variable nodes: the weight's shape and bytes, whether the target pins it, and
-  the views and work of every member op (reads, assigns, folded update ops);
-* input nodes: the op's view.
-
-Strategy providers are assumed to depend on an op's view and layer kind only,
-as the operator registry does. Equal nodes get equal options whenever the
-earlier axes decided them alike (the builder checks that per block). Edges are
-not part of the signature: ``GraphIndex`` keeps a use (or tie) inside a block
-only if every block has the same use at the same place with its producer at
-the same place; every other use is priced one by one. The solver then compares
-the arrays themselves before folding.
+Edges are not part of the signature: ``GraphIndex`` keeps a use (or tie)
+inside a block only if every block has the same use at the same place with
+its producer at the same place; every other use is priced one by one. The
+solver then compares the arrays themselves before folding.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from typing import TYPE_CHECKING, Iterable
+from typing import Hashable, Iterable, Sequence
 
 import numpy as np
-
-from tofu_tf.semantics.view import view_key
-
-if TYPE_CHECKING:
-    from tofu_tf.search.coarsen import GraphIndex
-
-_DIGITS = re.compile(r"\d+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +47,17 @@ class Run:
         return blocks.pop() if len(blocks) == 1 else -1
 
 
-def find_run(index: "GraphIndex", *, min_count: int = 2) -> Run | None:
-    """The run of equal blocks that saves the most nodes, its blocks cut where fewest uses cross."""
-    names = index.node_names()
-    ids: dict[tuple, int] = {}
-    signature = np.asarray([ids.setdefault(s, len(ids)) for s in _signatures(index, names)], dtype=np.int64)
+def find_run(signatures: Sequence[Hashable], use_ends: Sequence[tuple[int, int]], *,
+             min_count: int = 2) -> Run | None:
+    """The run of equal blocks that saves the most nodes, its blocks cut where fewest uses cross.
+
+    ``signatures`` has one entry per node in node order; nodes with equal entries are
+    interchangeable. ``use_ends`` has one ``(consumer position, producer position)`` per
+    use between nodes."""
+    ids: dict[Hashable, int] = {}
+    signature = np.asarray([ids.setdefault(s, len(ids)) for s in signatures], dtype=np.int64)
     best = None
-    for period in _candidate_periods(signature, len(names) // min_count):
+    for period in _candidate_periods(signature, len(signature) // min_count):
         equal = signature[:-period] == signature[period:]
         edges = np.diff(np.concatenate(([0], equal.astype(np.int8), [0])))
         starts, ends = np.nonzero(edges == 1)[0], np.nonzero(edges == -1)[0]
@@ -84,7 +71,7 @@ def find_run(index: "GraphIndex", *, min_count: int = 2) -> Run | None:
     if best is None:
         return None
     _, period, first, span = best
-    start = _phase(index, first, period, span)
+    start = _phase(use_ends, len(signature), first, period, span)
     count = (first + span - start) // period
     return Run(start, period, count) if count >= min_count else None
 
@@ -101,35 +88,13 @@ def _candidate_periods(signature: np.ndarray, longest: int) -> list[int]:
     return sorted(g for g in set(gaps.tolist()) if 0 < g <= longest)
 
 
-def _phase(index: "GraphIndex", first: int, period: int, span: int) -> int:
+def _phase(use_ends: Sequence[tuple[int, int]], num_nodes: int, first: int, period: int, span: int) -> int:
     """Where in the periodic span to cut blocks: the boundary fewest uses cross."""
-    ends = np.asarray([(use.consumer_node, use.producer_node) for use in index.use_table],
-                      dtype=np.int64).reshape(-1, 2)
-    crossing = np.zeros(len(index.node_names()) + 2, dtype=np.int64)
+    ends = np.asarray(use_ends, dtype=np.int64).reshape(-1, 2)
+    crossing = np.zeros(num_nodes + 2, dtype=np.int64)
     np.add.at(crossing, ends.min(axis=1) + 1, 1)     # a use crosses boundary x (between x-1 and x)
     np.add.at(crossing, ends.max(axis=1) + 1, -1)    # for lo < x <= hi
     crossing = np.cumsum(crossing)
     last = min(first + period - 1, first + span - 2 * period)     # keep at least two blocks
     candidates = range(first, max(first, last) + 1)
     return min(candidates, key=lambda x: (crossing[x], x))
-
-
-def _signatures(index: "GraphIndex", names: list[str]) -> list[tuple]:
-    return [_static(index, name) for name in names]
-
-
-def _static(index: "GraphIndex", name: str) -> tuple:
-    graph = index.graph
-    if name.startswith("var:"):
-        group = index.groups[name[4:]]
-        members = index.members[name]
-        return ("var", group.shape, group.nbytes, group.key in index.pinned,
-                tuple(sorted(index.unsplit_dims.get(group.key, ()))), len(group.paths), len(group.reads),
-                len(group.assigns), tuple(view_key(index.ops[m], graph) for m in members),
-                tuple(index.work.get(m, 0.0) for m in members))
-    op = index.ops[name]
-    if name in index.input_ops:
-        return ("input", view_key(op, graph))
-    return ("op", view_key(op, graph), _DIGITS.sub("", op.layer or ""), index.work.get(name, 0.0),
-            tuple(t in index.peak_live for t in op.outputs), index.tied_outputs.get(name, ()),
-            name in index.backward)

@@ -13,6 +13,10 @@ derivations.
 An op type the registry does not know, or whose description cannot be built
 for the op at hand, is described conservatively as replicated -- never
 silently: a warning is logged once per op type and ``coverage()`` names it.
+
+``Family`` (the tag every registered op type carries) is defined in the leaf
+module ``tofu_tf.semantics.family``, which the builtin descriptions import
+too; ``registry.Family`` still names it.
 """
 
 from __future__ import annotations
@@ -26,27 +30,12 @@ from absl import logging
 from tofu_tf import ir
 from tofu_tf.errors import TofuError
 from tofu_tf.semantics import derive as _derive
+from tofu_tf.semantics.family import Family
 from tofu_tf.semantics.language import Description, DescriptionError, replicated
+from tofu_tf.semantics.ops import register_builtin_ops
 from tofu_tf.semantics.strategy import OpStrategy
 from tofu_tf.semantics.tdl import Program, trace
 from tofu_tf.semantics.view import OpView, view_key
-
-
-class Family(enum.Enum):
-    """The kind of description an op has; tests and docs group ops by it."""
-
-    ELEMENTWISE = "elementwise"      # out[i..] = f(x[i..], ...) with broadcasting
-    REDUCTION = "reduction"          # out[i..] = sum/max/mean_k x[i.., k]
-    CONTRACTION = "contraction"      # einsum-like: matmul, batched matmul, einsum
-    WINDOW = "window"                # convolution and pooling: output index -> input range
-    NORMALIZATION = "normalization"  # batch norm, softmax, cross-entropy
-    GATHER = "gather"                # data-dependent coordinates: lookups, segment sums
-    LAYOUT = "layout"                # reshape, transpose, concat, slice, pad, tile
-    VARIABLE = "variable"            # resource reads and updates, element-wise on the value
-    SHAPE = "shape"                  # read only static shapes
-    GENERATOR = "generator"          # fill / random / fed values: every part makes its block
-    REPLICATED = "replicated"        # run whole: constants, loops, tensor lists, no-ops
-    CUSTOM = "custom"                # registered by a user
 
 
 Builder = Callable[[OpView], "Program | Description | Callable"]
@@ -226,7 +215,6 @@ def default_registry() -> Registry:
     default: every builtin op, built on first call."""
     global _default
     if _default is None:
-        from tofu_tf.semantics.ops import register_builtin_ops
         registry = Registry()
         register_builtin_ops(registry)
         _default = registry

@@ -5,6 +5,7 @@ carry them; a contracted index splits both operands and leaves partial sums.
 
 from __future__ import annotations
 
+from tofu_tf.semantics.family import Family
 from tofu_tf.semantics.language import DescriptionError
 from tofu_tf.semantics.ops._util import broadcast, conservative, names
 from tofu_tf.semantics.tdl import Apply, Out, Sum
@@ -92,7 +93,6 @@ def _expand_ellipsis(equation: str, op: OpView):
 
 
 def register(registry) -> None:
-    from tofu_tf.semantics.registry import Family
     registry.register("MatMul", family=Family.CONTRACTION)(matmul)
     for op_type in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
         registry.register(op_type, family=Family.CONTRACTION)(batch_matmul)

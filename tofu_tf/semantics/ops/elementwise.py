@@ -7,6 +7,7 @@ Identity-like ops (Identity, StopGradient, Cast ...) are element-wise too.
 
 from __future__ import annotations
 
+from tofu_tf.semantics.family import Family
 from tofu_tf.semantics.ops._util import broadcast, names, suffixed
 from tofu_tf.semantics.tdl import Apply, Out, Program
 from tofu_tf.semantics.view import OpView
@@ -84,7 +85,6 @@ def identity_n(op: OpView):
 
 
 def register(registry) -> None:
-    from tofu_tf.semantics.registry import Family
     for op_type in UNARY + BINARY + NARY:
         registry.register(op_type, family=Family.ELEMENTWISE)(elementwise)
     registry.register("Select", family=Family.ELEMENTWISE)(select)

@@ -17,6 +17,7 @@ stays whole.
 
 from __future__ import annotations
 
+from tofu_tf.semantics.family import Family
 from tofu_tf.semantics.language import DescriptionError, MetaKind
 from tofu_tf.semantics.ops._util import conservative, names, normalize_axis
 from tofu_tf.semantics.tdl import Max, Min, Out, Position, Program, Sum, Where
@@ -140,7 +141,6 @@ def one_hot(op: OpView):
 
 
 def register(registry) -> None:
-    from tofu_tf.semantics.registry import Family
     registry.register("GatherV2", family=Family.GATHER)(gather)
     registry.register("ResourceGather", family=Family.GATHER)(resource_gather)
     for op_type in ("UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from tofu_tf.semantics.family import Family
 from tofu_tf.semantics.language import DescriptionError, MetaKind
 from tofu_tf.semantics.ops._util import as_tuple, broadcast, conservative, names, normalize_axis
 from tofu_tf.semantics.tdl import Out, Position, Program, Select, Sum, Where
@@ -311,7 +312,6 @@ def invert_permutation(op: OpView):
 
 
 def register(registry) -> None:
-    from tofu_tf.semantics.registry import Family
     table = {
         "Reshape": reshape, "ExpandDims": reshape, "Squeeze": reshape, "Transpose": transpose,
         "ConcatV2": concat, "Concat": concat, "Pack": pack, "Unpack": unpack, "Split": split, "SplitV": split,

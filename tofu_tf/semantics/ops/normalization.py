@@ -13,6 +13,7 @@ workspace: they follow the kernel, not the plan.
 
 from __future__ import annotations
 
+from tofu_tf.semantics.family import Family
 from tofu_tf.semantics.ops._util import data_format, names
 from tofu_tf.semantics.tdl import WORKSPACE_OUTPUT, Apply, Out, Position, Program, Sum
 from tofu_tf.semantics.view import OpView
@@ -139,7 +140,6 @@ def xent(op: OpView):
 
 
 def register(registry) -> None:
-    from tofu_tf.semantics.registry import Family
     for op_type in ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"):
         registry.register(op_type, family=Family.NORMALIZATION)(batch_norm)
     for op_type in ("FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3"):

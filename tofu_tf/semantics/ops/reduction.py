@@ -9,6 +9,7 @@ and on its own global rank, so neither that axis nor k splits.
 
 from __future__ import annotations
 
+from tofu_tf.semantics.family import Family
 from tofu_tf.semantics.ops._util import as_tuple, conservative, names, normalize_axis
 from tofu_tf.semantics.tdl import Apply, Max, Mean, Min, Out, Position, Prod, Sum, Where
 from tofu_tf.semantics.view import OpView
@@ -137,7 +138,6 @@ def top_k(op: OpView):
 
 
 def register(registry) -> None:
-    from tofu_tf.semantics.registry import Family
     for op_type in _REDUCERS:
         registry.register(op_type, family=Family.REDUCTION)(reduce)
     registry.register("EuclideanNorm", family=Family.REDUCTION)(euclidean_norm)

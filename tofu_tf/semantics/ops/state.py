@@ -23,6 +23,7 @@ simply run whole.
 
 from __future__ import annotations
 
+from tofu_tf.semantics.family import Family
 from tofu_tf.semantics.language import MetaKind
 from tofu_tf.semantics.ops._util import conservative, names
 from tofu_tf.semantics.tdl import META_OUTPUT, Apply, Out, Position, Program, Update
@@ -153,7 +154,6 @@ def fill(op: OpView):
 
 
 def register(registry) -> None:
-    from tofu_tf.semantics.registry import Family
     for op_type in REPLICATED:
         registry.register(op_type, family=Family.REPLICATED)(replicated_op)
     registry.register("ReadVariableOp", family=Family.VARIABLE)(read_variable)

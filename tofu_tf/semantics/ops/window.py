@@ -10,6 +10,7 @@ contracted index, split into partial sums.
 
 from __future__ import annotations
 
+from tofu_tf.semantics.family import Family
 from tofu_tf.semantics.language import DescriptionError, MetaKind
 from tofu_tf.semantics.ops._util import Format, data_format, windows
 from tofu_tf.semantics.tdl import Apply, Max, Mean, Out, Program, Sum, Where
@@ -222,7 +223,6 @@ def avg_pool_grad(op: OpView):
 
 
 def register(registry) -> None:
-    from tofu_tf.semantics.registry import Family
     table = {
         "Conv2D": conv, "Conv3D": conv,
         "Conv2DBackpropInput": conv_backprop_input, "Conv2DBackpropFilter": conv_backprop_filter,

@@ -1,0 +1,137 @@
+"""The modules of tofu_tf import each other without a circle.
+
+Two modules that import each other can only be loaded in one order, break
+when a third module imports the "wrong" one first, and usually mean a piece
+of one belongs in a module of its own (``tofu_tf.semantics.family`` is such a
+piece). A circle can hide behind an import written inside a function or under
+``if TYPE_CHECKING:``: Python then loads fine, but the two modules still
+cannot be understood, or tested, one without the other. So this test reads
+every ``import`` statement of the package with ``ast``, wherever it stands,
+builds the graph "module -> package modules it imports" and looks for cycles.
+
+An import of ``a.b.c`` counts as an edge to ``a.b.c`` only, not to the
+packages ``a`` and ``a.b`` whose ``__init__`` Python runs on the way:
+otherwise every package that re-exports its submodules would be a circle.
+"""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = "tofu_tf"
+
+# Circles that stay on purpose, each with the reason; the test fails when one is gone,
+# so that the entry is removed with it.
+ALLOWED = {
+    frozenset({"tofu_tf.plan", "tofu_tf.plan_report"}):
+        "Plan.to_html, Plan.to_png and Plan._repr_html_ are the user's way to the report and "
+        "import plan_report when called; plan_report reads Plan and format_bytes from plan.",
+}
+
+
+def _modules() -> dict[str, str]:
+    """Dotted module name -> file path, for every module of the package."""
+    found = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, PACKAGE)):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(folder, file)
+                parts = os.path.relpath(path, ROOT)[:-len(".py")].split(os.sep)
+                if parts[-1] == "__init__":
+                    parts = parts[:-1]
+                found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: str, modules) -> set[str]:
+    """The package modules ``name`` imports anywhere in its file."""
+    with open(path, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read(), path)
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:      # relative: "from . import x", "from ..y import z"
+                parent = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parent + ([base] if base else []))
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                if submodule in modules:        # "from a.b import c" where a.b.c is a module
+                    out.add(submodule)
+                elif base in modules:           # "from a.b import some_name"
+                    out.add(base)
+    out.discard(name)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm,
+    iterative: every module of one component can reach every other)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(frozenset(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_circle_and_nothing_else():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(graph) == [frozenset({"a", "b", "c"})]
+
+
+def test_the_graph_sees_imports_written_inside_functions():
+    graph = import_graph()
+    assert "tofu_tf.semantics.ops" in graph["tofu_tf.semantics.registry"]
+    assert "tofu_tf.semantics.family" in graph["tofu_tf.semantics.ops.contraction"]
+    assert "tofu_tf.plan_report" in graph["tofu_tf.plan"]       # written inside Plan's methods
+
+
+def test_the_package_has_no_import_circle():
+    found = set(circles(import_graph()))
+    unexpected = sorted(sorted(c) for c in found - set(ALLOWED))
+    assert not unexpected, (
+        f"modules that import each other: {unexpected}; move what both need into a module of its own")
+    gone = sorted(sorted(c) for c in set(ALLOWED) - found)
+    assert not gone, f"these circles are gone: remove them from ALLOWED: {gone}"
