@@ -21,7 +21,7 @@ from typing import Callable
 
 from tofu_tf import ir
 from tofu_tf.errors import TofuError
-from tofu_tf.search.coarsen import GraphIndex
+from tofu_tf.search.coarsen import GraphIndex, NodeId, NodeKind
 from tofu_tf.search.problem import Option
 from tofu_tf.semantics.strategy import REPLICATED, TensorSplit
 
@@ -30,7 +30,7 @@ class BaselineNotApplicableError(TofuError, ValueError):
     """The model does not have the structure a hand pattern needs."""
 
 
-def data_parallel_restriction(index: GraphIndex, num_devices: int) -> Callable[[str, Option], bool]:
+def data_parallel_restriction(index: GraphIndex, num_devices: int) -> Callable[[NodeId, Option], bool]:
     for name in index.input_ops:
         shape = index.graph.tensors[index.ops[name].outputs[0]].shape
         if not shape or shape[0] % num_devices:
@@ -38,22 +38,22 @@ def data_parallel_restriction(index: GraphIndex, num_devices: int) -> Callable[[
                 f"data_parallel needs the batch ({shape[0] if shape else 'scalar'} in input {name!r}) to divide "
                 f"over {num_devices} devices; choose a batch size that is a multiple of {num_devices}")
 
-    def allowed(node: str, option: Option) -> bool:
-        if node.startswith("var:"):
+    def allowed(node: NodeId, option: Option) -> bool:
+        if node.kind is NodeKind.VARIABLE:
             return option.var_split == REPLICATED
-        if node in index.input_ops:
+        if node.kind is NodeKind.INPUT:
             return option.label == "S0"
-        return option.label != "replicate" and not _splits_state(index, node, option)
+        return option.label != "replicate" and not _splits_state(index, node.name, option)
     return allowed
 
 
 _STATE_ROLES = frozenset({ir.Role.WEIGHT, ir.Role.OPTIMIZER_SLOT, ir.Role.GRADIENT})
 
 
-def _splits_state(index: GraphIndex, node: str, option: Option) -> bool:
+def _splits_state(index: GraphIndex, op_name: str, option: Option) -> bool:
     """Whether an op option shards a weight it reads or a gradient it makes (data
     parallelism keeps both whole: gradients are reduced from partial sums)."""
-    op = index.ops[node]
+    op = index.ops[op_name]
     strategy = option.strategies[0]
     tensors = index.graph.tensors
     for names, splits in ((op.inputs, strategy.inputs), (op.outputs, strategy.outputs)):
@@ -92,13 +92,13 @@ def _divisible(shape, split: TensorSplit, n: int) -> TensorSplit:
     return split if split.dim is not None and shape[split.dim] % n == 0 else REPLICATED
 
 
-def megatron_restriction(index: GraphIndex, num_devices: int) -> Callable[[str, Option], bool]:
+def megatron_restriction(index: GraphIndex, num_devices: int) -> Callable[[NodeId, Option], bool]:
     wanted = megatron_layouts(index.graph, num_devices)
 
-    def allowed(node: str, option: Option) -> bool:
-        if node.startswith("var:"):
-            return option.var_split == wanted.get(node[4:], REPLICATED)
-        if node in index.input_ops:
+    def allowed(node: NodeId, option: Option) -> bool:
+        if node.kind is NodeKind.VARIABLE:
+            return option.var_split == wanted.get(node.name, REPLICATED)
+        if node.kind is NodeKind.INPUT:
             return option.label == "R"
         return True
     return allowed

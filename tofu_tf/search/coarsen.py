@@ -48,6 +48,7 @@ block and shares it.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 from typing import Callable, Mapping, NamedTuple, Sequence
 
@@ -86,6 +87,31 @@ def split_of(tensor: ir.Tensor, layout: TensorSplit) -> TensorSplit:
     return layout if tensor.rank else REPLICATED
 
 
+class NodeKind(enum.Enum):
+    """What a decision node decides (see the module docstring)."""
+
+    VARIABLE = "var"   # a variable group: the layout of a weight and its slots
+    INPUT = "input"    # a batch input (Placeholder): its layout
+    OP = "op"          # any other op with bytes: its strategy
+
+
+class NodeId(NamedTuple):
+    """A decision node's id: its kind and the name that finds it in the graph.
+
+    ``name`` is the group's key (the weight's variable path) for a ``VARIABLE`` node and
+    the op's name otherwise. Code branches on ``kind`` and looks ``name`` up; it never
+    parses text. ``str()`` gives the text people see (``Node.name`` of a problem, test
+    messages): ``var:<path>`` for a variable group -- so a weight and an op of the same
+    name stay apart -- and the op's name otherwise. (A named tuple: node ids are
+    dictionary keys on every use of the graph.)"""
+
+    kind: NodeKind
+    name: str
+
+    def __str__(self) -> str:
+        return f"var:{self.name}" if self.kind is NodeKind.VARIABLE else self.name
+
+
 @dataclasses.dataclass(frozen=True)
 class VarGroup:
     """A weight with its slots, reads, assigns and folded update ops: one layout."""
@@ -97,6 +123,11 @@ class VarGroup:
     reads: tuple[str, ...]
     assigns: tuple[str, ...]
     folded: tuple[str, ...]
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Every op the group's layout decides, in the order options list their strategies."""
+        return self.reads + self.assigns + self.folded
 
 
 class Use(NamedTuple):
@@ -162,8 +193,8 @@ class GraphIndex:
         self._owner = self._owners()
         self.uses = self._uses()
         self.backward, self.anchor = self._anchors()
-        self._order = self._node_order()
-        self.order_of = {name: i for i, name in enumerate(self._order)}
+        self.nodes = self._node_order()    # the decision nodes (NodeId) in DP order
+        self.order_of = {node: i for i, node in enumerate(self.nodes)}
         self.ties = self._ties() if tie_gradients else {}
         self.tied_outputs: dict[str, tuple[int, ...]] = {}
         for q, k in set(self.ties.values()):
@@ -177,7 +208,7 @@ class GraphIndex:
         self.members, self.paths = self._members()
         self.use_table, self.tie_edges = self._use_table()
         self.run = fold.find_run(
-            [self.node_signature(name) for name in self._order],
+            [self.node_signature(node) for node in self.nodes],
             [(use.consumer_node, use.producer_node) for use in self.use_table]) if fold_blocks else None
         self.use_blocks = (-1,) * len(self.use_table)   # per use: the block it lies inside, or -1
         self.tie_blocks = (-1,) * len(self.tie_edges)
@@ -289,23 +320,27 @@ class GraphIndex:
             self._consumer_cache = {k: tuple(v) for k, v in out.items()}
         return self._consumer_cache
 
-    def owner(self, op_name: str) -> str | None:
+    def owner(self, op_name: str) -> NodeId | None:
         """The decision node an op belongs to (None for free and alias ops, and reads of
         scalar variables: a rank-0 value is whole everywhere, and turning a whole value into
         any layout a consumer can ask of a scalar (whole, or partial) is free)."""
         return self._owner.get(op_name)
 
-    def _owners(self) -> dict[str, str]:
-        """``owner`` of every op that has one (looked up per use: tens of thousands of times)."""
+    def _owners(self) -> dict[str, NodeId]:
+        """``owner`` of every op that has one (looked up per use: tens of thousands of times).
+        An op that moves no bytes gets an ``OP`` owner too, though it is not a node: it has
+        no uses, so nothing looks it up."""
         out = {}
         skip = self.free_ops | self.alias_ops | self.scalar_reads
-        group_of_op = self.group_of_op
+        group_of_op, inputs = self.group_of_op, frozenset(self.input_ops)
         for op in self.graph.ops:
             name = op.name
             if name in group_of_op:
-                out[name] = "var:" + group_of_op[name]
+                out[name] = NodeId(NodeKind.VARIABLE, group_of_op[name])
+            elif name in inputs:
+                out[name] = NodeId(NodeKind.INPUT, name)
             elif name not in skip:
-                out[name] = name
+                out[name] = NodeId(NodeKind.OP, name)
         return out
 
     def _uses(self) -> tuple[tuple[str, int, str], ...]:
@@ -371,33 +406,37 @@ class GraphIndex:
                 anchor[op.name] = min(found) if found else pos[op.name]
         return frozenset(backward), anchor
 
-    def _node_key(self, node: str) -> tuple:
+    def _node_key(self, node: NodeId) -> tuple:
+        """Variables and inputs go just before their first user; ops by anchor, forward first."""
         consumers = self._consumers_through_aliases()
-        if node.startswith("var:") or node in self.input_ops:
-            producers = self.groups[node[4:]].reads if node.startswith("var:") else (node,)
-            users = [self.anchor[c] for r in producers for t in self.ops[r].outputs for c in consumers.get(t, ())
-                     if c in self.anchor and c not in self.group_of_op]
-            return (min(users, default=0) - 0.5, 0, self.first_position(node))
-        return (self.anchor[node], int(node in self.backward), self.position[node])
+        if node.kind is NodeKind.OP:
+            return (self.anchor[node.name], int(node.name in self.backward), self.position[node.name])
+        producers = self.groups[node.name].reads if node.kind is NodeKind.VARIABLE else (node.name,)
+        users = [self.anchor[c] for r in producers for t in self.ops[r].outputs for c in consumers.get(t, ())
+                 if c in self.anchor and c not in self.group_of_op]
+        return (min(users, default=0) - 0.5, 0, self.first_position(node))
 
-    def _node_order(self) -> tuple[str, ...]:
-        names = list(self.input_ops) + ["var:" + k for k in self.groups] + list(self.plain_ops)
-        return tuple(sorted(names, key=self._node_key))
+    def _node_order(self) -> tuple[NodeId, ...]:
+        nodes = [NodeId(NodeKind.INPUT, name) for name in self.input_ops]
+        nodes += [NodeId(NodeKind.VARIABLE, key) for key in self.groups]
+        nodes += [NodeId(NodeKind.OP, name) for name in self.plain_ops]
+        return tuple(sorted(nodes, key=self._node_key))
 
     def node_names(self) -> list[str]:
-        """Decision nodes in DP order: by anchor (forward op, then its backward ops)."""
-        return list(self._order)
+        """The decision nodes in DP order (by anchor: forward op, then its backward ops), as
+        text: ``str`` of each of ``nodes``."""
+        return [str(node) for node in self.nodes]
 
-    def first_position(self, node: str) -> int:
-        if node.startswith("var:"):
-            group = self.groups[node[4:]]
-            members = group.reads + group.assigns + group.folded
-            return min((self.position[m] for m in members), default=0)
-        return self.position[node]
+    def first_position(self, node: NodeId) -> int:
+        """The schedule position of the node's first op."""
+        if node.kind is NodeKind.VARIABLE:
+            return min((self.position[m] for m in self.groups[node.name].members), default=0)
+        return self.position[node.name]
 
     def _ties(self) -> dict[tuple[str, int], tuple[str, int]]:
         """(backward consumer, input index) -> (forward op, output index) whose gradient it reads."""
-        tensors, order = self.graph.tensors, self.order_of
+        tensors = self.graph.tensors
+        order = {node.name: i for node, i in self.order_of.items() if node.kind is not NodeKind.VARIABLE}
         ties: dict[tuple[str, int], tuple[str, int]] = {}
         for consumer, j, source in self.uses:
             producer = tensors[source].producer
@@ -508,19 +547,18 @@ class GraphIndex:
 
 
     # -- node members, uses, blocks ------------------------------------------------
-    def _members(self) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    def _members(self) -> tuple[dict[NodeId, tuple[str, ...]], dict[NodeId, tuple[str, ...]]]:
         """Per node, the ops whose strategies its options give, and the variables it lays out."""
         members, paths = {}, {}
-        for name in self._order:
-            if name.startswith("var:"):
-                group = self.groups[name[4:]]
-                members[name] = group.reads + group.assigns + group.folded
-                paths[name] = group.paths
+        for node in self.nodes:
+            if node.kind is NodeKind.VARIABLE:
+                group = self.groups[node.name]
+                members[node], paths[node] = group.members, group.paths
             else:
-                members[name], paths[name] = (name,), ()
+                members[node], paths[node] = (node.name,), ()
         return members, paths
 
-    def node_signature(self, node: str) -> tuple:
+    def node_signature(self, node: NodeId) -> tuple:
         """What the per-axis problem builder reads about ``node`` itself: nodes with equal
         signatures are interchangeable, which is what ``fold.find_run`` looks for.
 
@@ -538,19 +576,19 @@ class GraphIndex:
         decided them alike (the problem builder checks that per block). Uses between nodes
         are not part of it: ``_assign_blocks`` checks them block by block."""
         graph = self.graph
-        if node.startswith("var:"):
-            group = self.groups[node[4:]]
+        if node.kind is NodeKind.VARIABLE:
+            group = self.groups[node.name]
             members = self.members[node]
             return ("var", group.shape, group.nbytes, group.key in self.pinned,
                     tuple(sorted(self.unsplit_dims.get(group.key, ()))), len(group.paths), len(group.reads),
                     len(group.assigns), tuple(view_key(self.ops[m], graph) for m in members),
                     tuple(self.work.get(m, 0.0) for m in members))
-        op = self.ops[node]
-        if node in self.input_ops:
+        op = self.ops[node.name]
+        if node.kind is NodeKind.INPUT:
             return ("input", view_key(op, graph))
-        return ("op", view_key(op, graph), _DIGITS.sub("", op.layer or ""), self.work.get(node, 0.0),
-                tuple(t in self.peak_live for t in op.outputs), self.tied_outputs.get(node, ()),
-                node in self.backward)
+        return ("op", view_key(op, graph), _DIGITS.sub("", op.layer or ""), self.work.get(node.name, 0.0),
+                tuple(t in self.peak_live for t in op.outputs), self.tied_outputs.get(node.name, ()),
+                node.name in self.backward)
 
     def _use_table(self) -> tuple[tuple[Use, ...], tuple[TieEdge, ...]]:
         order, owner, ops, tensors, ties_of = self.order_of, self._owner, self.ops, self.graph.tensors, self.ties
@@ -564,11 +602,12 @@ class GraphIndex:
             tie_pos = None
             if tie is not None:
                 forward, k = tie
+                fnode = order[owner[forward]]    # the forward op is a node by itself (see _ties)
                 if source not in tied_to:        # one tie edge per gradient: its first tied use's
                     tied_to[source] = tie
-                    ties.append(TieEdge(source, pnode, member_at[producer], out_index, order[forward], k))
+                    ties.append(TieEdge(source, pnode, member_at[producer], out_index, fnode, k))
                 if tied_to[source] == tie:       # a use tied elsewhere is priced from the producer itself
-                    tie_pos = (order[forward], k)
+                    tie_pos = (fnode, k)
             uses.append(Use(consumer, j, source, order[owner[consumer]], member_at[consumer], pnode,
                             member_at[producer], out_index, tie_pos))
         return tuple(uses), tuple(ties)

@@ -39,7 +39,7 @@ import numpy as np
 from tofu_tf.cost.collectives import transfer_seconds
 from tofu_tf.cost.compute import is_split
 from tofu_tf.cost.hardware import Link
-from tofu_tf.search.coarsen import P_SUM, GraphIndex, TieEdge, Use, VarGroup
+from tofu_tf.search.coarsen import P_SUM, GraphIndex, NodeId, NodeKind, TieEdge, Use, VarGroup
 from tofu_tf.search.targets import AxisRole
 from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, TensorSplit
 
@@ -95,7 +95,8 @@ class Option:
 
 
 class Node(NamedTuple):
-    """A decision node: its member ops, the variable paths it lays out, its options.
+    """A decision node: its name (``str`` of its ``NodeId``: what people read; nothing in
+    the search reads it back), its options, its member ops, the variable paths it lays out.
     (A named tuple: every axis problem makes one per node.)"""
 
     name: str
@@ -175,14 +176,14 @@ class AxisProblem:
 class ProblemBuilder:
     """Builds the problem of mesh axis ``len(prior)`` given the axes decided before it.
 
-    ``restrict`` (node name, option) -> bool keeps a subset of options (the baselines);
+    ``restrict`` (``NodeId``, option) -> bool keeps a subset of options (the baselines);
     it may read names, so a restricted problem is built without sharing blocks.
     ``role`` (``tofu_tf.search.targets.AxisRole``) says what the axis may split: a
     batch axis splits every batch input on dim 0 and no variable, a model axis splits
     no batch input. It reads no names: blocks are still shared."""
 
     def __init__(self, index: GraphIndex, prior: Sequence[AxisDecision], n: int, link: Link,
-                 restrict: Callable[[str, Option], bool] | None = None, role: AxisRole = AxisRole.ANY):
+                 restrict: Callable[[NodeId, Option], bool] | None = None, role: AxisRole = AxisRole.ANY):
         self.index, self.prior, self.n, self.link = index, tuple(prior), n, link
         self.restrict, self.role = restrict, role
         self.tensors = index.graph.tensors
@@ -200,17 +201,16 @@ class ProblemBuilder:
 
     def build(self) -> AxisProblem:
         index = self.index
-        names = index.node_names()
         run = index.run if self.restrict is None else None
-        templates = self._templates(run, names) if run is not None else None
+        templates = self._templates(run) if run is not None else None
         copy_of = self._copy_sources(run, templates)
         nodes: list[Node] = []
         unary: list[np.ndarray] = []
         memory: list[np.ndarray] = []
-        for i, name in enumerate(names):
+        for i, node in enumerate(index.nodes):
             source = copy_of.get(i)
-            options = tuple(self._options(name)) if source is None else nodes[source].options
-            nodes.append(Node(name, options, index.members[name], index.paths[name]))
+            options = tuple(self._options(node)) if source is None else nodes[source].options
+            nodes.append(Node(str(node), options, index.members[node], index.paths[node]))
             if source is None:
                 unary.append(np.asarray([o.comm + o.compute for o in options], dtype=np.float64))
                 memory.append(np.asarray([o.memory for o in options], dtype=np.float64))
@@ -237,7 +237,7 @@ class ProblemBuilder:
         return AxisProblem(tuple(nodes), edges, tuple(unary), tuple(memory), blocks)
 
     # repeated blocks ----------------------------------------------------------------
-    def _templates(self, run, names) -> list[int]:
+    def _templates(self, run) -> list[int]:
         """Per block, the first block with the same decisions on every earlier axis."""
         first: dict[tuple, int] = {}
         out = []
@@ -247,14 +247,15 @@ class ProblemBuilder:
             if keyed:
                 sig = tuple(d.block_keys[b] for d in self.prior)
             else:
-                sig = tuple(self._prior_signature(names[i]) for i in range(start, start + run.period))
+                sig = tuple(self._prior_signature(self.index.nodes[i]) for i in range(start, start + run.period))
             out.append(first.setdefault(sig, b))
         return out
 
-    def _prior_signature(self, name: str) -> tuple:
-        if name.startswith("var:"):
-            return tuple(d.var_splits[name[4:]] for d in self.prior)
-        return tuple(d.op_strategies[name] for d in self.prior)
+    def _prior_signature(self, node: NodeId) -> tuple:
+        """What the earlier axes decided for ``node``: the weight's splits, or the op's strategies."""
+        if node.kind is NodeKind.VARIABLE:
+            return tuple(d.var_splits[node.name] for d in self.prior)
+        return tuple(d.op_strategies[node.name] for d in self.prior)
 
     @staticmethod
     def _copy_sources(run, templates) -> dict[int, int]:
@@ -285,15 +286,15 @@ class ProblemBuilder:
             pair_costs.update({(u + delta, v + delta): cost for u, v, cost in by_template.get(t, ())})
 
     # options --------------------------------------------------------------------
-    def _options(self, name: str) -> list[Option]:
-        if name.startswith("var:"):
-            options = self._var_options(self.index.groups[name[4:]])
-        elif name in self.index.input_ops:
-            options = self._input_options(name)
+    def _options(self, node: NodeId) -> list[Option]:
+        if node.kind is NodeKind.VARIABLE:
+            options = self._var_options(self.index.groups[node.name])
+        elif node.kind is NodeKind.INPUT:
+            options = self._input_options(node.name)
         else:
-            options = self._op_options(name)
+            options = self._op_options(node.name)
         if self.restrict is not None:
-            kept = [o for o in options if self.restrict(name, o)]
+            kept = [o for o in options if self.restrict(node, o)]
             options = kept or options
         return options
 
@@ -309,7 +310,7 @@ class ProblemBuilder:
         options = []
         pinned = group.key in self.index.pinned or self.role is AxisRole.BATCH
         splits = [REPLICATED] if pinned else self._legal_splits(group.shape, used)
-        members = self.index.members["var:" + group.key]
+        members = group.members
         for split in splits:
             strategies = self._group_strategies(group, split)
             if strategies is None:
