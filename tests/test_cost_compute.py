@@ -1,7 +1,7 @@
 """The compute term: work estimates from shapes, divided by the devices an op is split over."""
 
 import pytest
-from tests.test_search_support import GraphBuilder, mlp_graph, stub_strategies
+from tests.search_helpers import GraphBuilder, mlp_graph, stub_strategies
 
 from tofu_tf.cost.compute import op_work, split_factor
 from tofu_tf.cost.evaluate import step_cost

@@ -1,6 +1,6 @@
 """Liveness-based memory: tensors live from producer to last consumer."""
 
-from tests.test_search_support import GraphBuilder
+from tests.search_helpers import GraphBuilder
 
 from tofu_tf import ir
 from tofu_tf.cost.memory import Liveness

@@ -1,7 +1,7 @@
 """plan_graph / plan_model end to end: legal plans, costs that recompute, budgets."""
 
 import pytest
-from tests.test_search_support import mlp_graph, stub_strategies
+from tests.search_helpers import mlp_graph, stub_strategies
 
 from tofu_tf import ir
 from tofu_tf.cost.hardware import H100_NVLINK

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from tests.test_search_support import GraphBuilder, mlp_graph, stub_strategies
+from tests.search_helpers import GraphBuilder, mlp_graph, stub_strategies
 
 from tofu_tf.cost.hardware import H100_NVLINK
 from tofu_tf.search import elimination, ilp, tofu_dp
@@ -166,7 +166,7 @@ def test_ilp_prints_nothing():
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = ("from tests.test_search_support import mlp_graph, stub_strategies\n"
+    script = ("from tests.search_helpers import mlp_graph, stub_strategies\n"
               "from tofu_tf.cost.hardware import H100_NVLINK\n"
               "from tofu_tf.search import ilp\n"
               "from tofu_tf.search.coarsen import GraphIndex\n"

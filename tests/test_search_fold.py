@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from tests.test_search_support import mlp_graph, stub_strategies
+from tests.search_helpers import mlp_graph, stub_strategies
 
 from tofu_tf.cost.hardware import H100_NVLINK
 from tofu_tf.search import elimination, tofu_dp

@@ -1,7 +1,7 @@
 """Lowering targets: the DTensor target drops what DTensor cannot lower; "ideal" keeps Tofu's space."""
 
 import pytest
-from tests.test_search_support import GraphBuilder, mlp_graph, stub_strategies
+from tests.search_helpers import GraphBuilder, mlp_graph, stub_strategies
 
 from tofu_tf.cost.hardware import H100_NVLINK
 from tofu_tf.search import UnsupportedOpError, plan_graph

@@ -4,6 +4,9 @@ The real provider is ``tofu_tf.semantics.strategies``; the search takes the
 provider as a parameter, so tests can run on synthetic graphs with this stub,
 which knows MatMul, Einsum, element-wise ops, BiasAdd(Grad), Sum/Mean and
 sparse softmax cross-entropy, and replicates everything else.
+
+The search, cost and fold tests import it; it holds no tests (hence not a
+``test_*.py`` name, which pytest would collect).
 """
 
 from __future__ import annotations
