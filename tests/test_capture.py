@@ -128,6 +128,7 @@ print(model.count_params() * 4, tf.config.experimental.get_memory_info("CPU:0")[
 """
 
 
+@pytest.mark.slow   # captures in a fresh Python, measuring its allocations
 def test_capture_allocates_nothing_model_sized():
     """Optimizer slots are traced as uninitialized handles: no buffer is allocated.
 

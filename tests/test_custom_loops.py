@@ -19,6 +19,8 @@ from strategies import TofuStrategy
 from strategies.tofu_strategy import PlanningError
 from tofu_tf.tf.keras_adapter import UnsupportedModelError
 
+pytestmark = pytest.mark.slow   # trains models under TofuStrategy end to end
+
 FRAMEWORKS = {"tf_keras": tf_keras, "keras3": keras3}
 # tf-keras's legacy optimizers too: before, their first update failed ('SGD' object has no
 # attribute 'add_variable_from_reference').

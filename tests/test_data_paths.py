@@ -21,6 +21,8 @@ from strategies import TofuStrategy
 from tests import strategy_helpers as h
 from tofu_tf import models
 
+pytestmark = pytest.mark.slow   # trains models under TofuStrategy end to end
+
 FRAMEWORKS = {"tf_keras": tf_keras, "keras3": keras3}
 LAYOUTS = {"dense_0/kernel": (None, "model"), "dense_0/bias": ("model",), "dense_1/kernel": ("model", None)}
 

@@ -65,17 +65,20 @@ def test_the_environment_variable_sets_the_bound(monkeypatch):
         devices.max_virtual_cpus()
 
 
+@pytest.mark.slow   # starts TensorFlow in a fresh Python
 def test_a_strategy_over_the_bound_is_refused_before_any_device_is_made():
     out = _request(_over_the_bound(), "from strategies import TofuStrategy; TofuStrategy(count)")
     assert "refused:" in out and "virtual devices share them" in out and "TOFU_TF_MAX_VIRTUAL_CPUS=" in out
     assert "cpu devices: 1" in out
 
 
+@pytest.mark.slow   # starts TensorFlow in a fresh Python
 def test_the_opt_in_creates_devices_over_the_bound():
     count = _over_the_bound()
     out = _request(count, "devices.provide_devices(count)", **{devices.MAX_VIRTUAL_CPUS_ENV: str(count)})
     assert "refused" not in out and f"cpu devices: {count}" in out
 
 
+@pytest.mark.slow   # starts TensorFlow in a fresh Python
 def test_eight_devices_are_made_on_any_host():
     assert "cpu devices: 8" in _request(8, "devices.provide_devices(count)")

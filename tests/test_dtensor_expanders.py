@@ -23,6 +23,8 @@ from tofu_tf.search.targets import NO_LAYOUT_PROPAGATION
 from tofu_tf.tf import variables as variables_lib
 from tofu_tf.tf.capture import DynamicShapeError, capture_training_step
 
+pytestmark = pytest.mark.slow   # runs DTensor programs and trains under TofuStrategy, many in fresh Pythons
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _MESH = """

@@ -20,6 +20,8 @@ from strategies import export as export_lib
 from strategies import keras_hooks
 from tofu_tf import models
 
+pytestmark = pytest.mark.slow   # trains, saves and serves models under TofuStrategy
+
 BATCH = 8
 
 # Loads a SavedModel in a process without virtual devices, calls serving_default on the

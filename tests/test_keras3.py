@@ -11,6 +11,8 @@ from tests import strategy_helpers as h
 from tofu_tf import models
 from tofu_tf.tf import lowering
 
+pytestmark = pytest.mark.slow   # trains models under TofuStrategy end to end
+
 BUILDERS = {
     "mlp": lambda: models.mlp(width=32, depth=2, keras=keras),
     "cnn_bn": lambda: models.cnn(channels=8, keras=keras),

@@ -21,6 +21,8 @@ import tf_keras as keras
 from strategies import TofuStrategy
 from tofu_tf.search import UnsupportedOpError
 
+pytestmark = pytest.mark.slow   # trains models under TofuStrategy end to end
+
 OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.legacy.SGD(0.05, momentum=0.9),
     "sgd_nesterov": lambda: keras.optimizers.legacy.SGD(0.05, momentum=0.9, nesterov=True),

@@ -13,6 +13,8 @@ from tests import strategy_helpers as h
 from tofu_tf import models
 from tofu_tf.tf import keras_adapter
 
+pytestmark = pytest.mark.slow   # trains models under TofuStrategy end to end
+
 
 def state_of(model):
     """Weights and optimizer variables (step count, slots) as host values."""

@@ -4,6 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow   # runs examples/plan_pipeline.py in a fresh Python
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

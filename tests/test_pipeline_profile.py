@@ -92,6 +92,7 @@ def test_config_builder_rebuilds_builtin_models_and_names_the_fix_otherwise():
         ConfigBuilder.of(gpt)
 
 
+@pytest.mark.slow   # profiles a real model in a fresh Python
 def test_profiled_mlp_predicts_its_own_stages():
     """One profiling run (3 units, 5 distinct stages on 2 devices) and one run of
     real stages: mCAP's predictor from the measured figures must land within 10%."""
@@ -114,6 +115,7 @@ def test_profiled_mlp_predicts_its_own_stages():
         assert abs(predicted - peak) / peak < 0.10
 
 
+@pytest.mark.slow   # profiles a real model in a fresh Python
 def test_keras3_sequential_profiles_from_its_config():
     """No model_fn: the subprocess rebuilds the Keras 3 model from its config, and
     cuts Sequential stages by replaying the shared layers."""

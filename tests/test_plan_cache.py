@@ -117,6 +117,7 @@ np.savez(sys.argv[1], *model.get_weights())
 """
 
 
+@pytest.mark.slow   # trains under TofuStrategy (the script twice, in fresh Pythons)
 def test_a_second_run_of_a_script_takes_its_plan_from_the_cache_and_trains_alike(tmp_path):
     """TofuStrategy plans through the cache (``$TOFU_PLAN_CACHE`` here): the same script run
     again searches nothing, says so, and trains as the first run did."""
@@ -141,6 +142,7 @@ def test_a_second_run_of_a_script_takes_its_plan_from_the_cache_and_trains_alike
         np.testing.assert_array_equal(weights[1][name], weights[0][name])
 
 
+@pytest.mark.slow   # trains under TofuStrategy (the script twice, in fresh Pythons)
 def test_the_strategy_caches_only_where_told(tmp_path, searches):
     """An explicit directory caches even with ``$TOFU_PLAN_CACHE=off`` (this suite's setting);
     ``plan_cache=False``, and the default under ``off``, search and keep nothing."""

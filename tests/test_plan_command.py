@@ -166,6 +166,7 @@ def _tofu_plan(tmp_path, *argv):
                           capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow   # runs tofu-plan in a fresh Python
 def test_the_command_writes_json_html_png_and_reuses_its_plan(tmp_path):
     argv = ["--model=tofu_tf.models:gpt", f"--model_kwargs={json.dumps(TINY_GPT)}", "--num_devices=4",
             "--batch_size=8", "--hardware=cpu-virtual", "--compare=megatron", "--json=plan.json",
@@ -186,6 +187,7 @@ def test_the_command_writes_json_html_png_and_reuses_its_plan(tmp_path):
     assert Plan.from_file(tmp_path / "again.json") == plan
 
 
+@pytest.mark.slow   # runs tofu-plan in a fresh Python
 def test_the_command_exits_2_on_a_module_it_cannot_import(tmp_path):
     done = _tofu_plan(tmp_path, "--model=my_missing_models:build")
     assert done.returncode == plan_command.EXIT_BAD_INPUT

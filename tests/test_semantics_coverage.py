@@ -101,6 +101,7 @@ def test_the_reference_workloads_have_no_unsupported_op(graphs):
         assert report.total == sum(graph.op_type_counts().values())
 
 
+@pytest.mark.slow   # captures whole Keras applications (DenseNet-121, EfficientNet-B0)
 @pytest.mark.parametrize("name", sorted(_APPLICATIONS))
 def test_tf_keras_applications_have_no_unsupported_op(name):
     model = _APPLICATIONS[name](weights=None, input_shape=(32, 32, 3), classes=10)

@@ -12,6 +12,8 @@ from tofu_tf import models
 from tofu_tf.tf import lowering
 from tofu_tf.tf import variables as variables_lib
 
+pytestmark = pytest.mark.slow   # trains models under TofuStrategy end to end
+
 # Megatron-style hand layouts on a forced (batch=2, model=4) mesh: the lowering
 # and the training path are checked independently of the planner.
 HAND_LAYOUTS = {

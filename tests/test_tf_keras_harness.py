@@ -29,6 +29,8 @@ from strategies import TofuStrategy, keras_hooks
 from tofu_tf.search import plan_graph
 from tofu_tf.tf.capture import capture_training_step
 
+pytestmark = pytest.mark.slow   # tf-keras's own harness: every model and distribution combination it generates
+
 _SAMPLES = 320        # five batches of the harness's global batch (64)
 
 

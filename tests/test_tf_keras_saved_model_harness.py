@@ -18,6 +18,8 @@ from tf_keras.src.distribute import simple_models
 
 from strategies import TofuStrategy
 
+pytestmark = pytest.mark.slow   # tf-keras's own harness: every model and distribution combination it generates
+
 MODELS = {"functional": simple_models.SimpleFunctionalModel, "sequential": simple_models.SimpleSequentialModel,
           "subclass": simple_models.SimpleSubclassModel}
 

@@ -147,6 +147,7 @@ print(4 * shape[0] * shape[1], tf.config.experimental.get_memory_info("CPU:0")["
 """
 
 
+@pytest.mark.slow   # a fresh Python per initializer, measuring its allocations
 @pytest.mark.parametrize("initializer, most", [("GlorotUniform", 1.25), ("Orthogonal", 6.0)])
 def test_sharded_draw_allocates_only_the_shards(initializer, most):
     """A kernel sharded on 8 devices. An elementwise initializer is drawn shard by shard:

@@ -29,6 +29,8 @@ from tofu_tf import hub_models, semantics
 from tofu_tf.search import plan_graph
 from tofu_tf.tf.capture import capture_training_step
 
+pytestmark = pytest.mark.slow   # trains keras-hub models under TofuStrategy
+
 BATCH = 8
 TRAIN, PREDICT, EVALUATE = 24, 13, 20          # 3 steps; then batches of 5 and 4 left over
 WIDTH = 64
