@@ -33,5 +33,6 @@ setup(
         "bench": ["highspy>=1.7", "keras-hub>=0.32,<0.33"],
         "plot": ["matplotlib>=3.8"],
     },
-    entry_points={"console_scripts": ["tofu-plan=tofu_tf.plan_command:entry_point"]},
+    entry_points={"console_scripts": ["tofu-plan=tofu_tf.plan_command:entry_point",
+                                      "tofu-launch=tofu_tf.launch:entry_point"]},
 )

@@ -49,13 +49,11 @@ import types
 import tensorflow as tf
 from tensorflow.python.checkpoint import graph_view as graph_view_lib
 
-from tofu_tf.tf import keras_adapter
+from tofu_tf.tf import devices, keras_adapter
 from tofu_tf.tf.variables import DTensorExportError
 
 __all__ = ["DTensorExportError", "install", "one_device_copy"]
 
-# The host, where the copy's variables live (as ``tofu_tf.tf.variables`` builds whole values).
-_HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 _COPIES = object()  # key of this module's entry in a SavedModel save's serialization cache
 
 
@@ -134,7 +132,7 @@ def one_device_copy(model):
 
 
 def _copy(model):
-    with tf.device(_HOST):
+    with tf.device(devices.host_device()):
         copy = _rebuild(model)
         _compile_like(copy, model)
         _copy_state(copy, model)

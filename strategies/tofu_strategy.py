@@ -35,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
+import json
 import time
 import weakref
 
@@ -50,6 +52,7 @@ from strategies import keras_hooks
 from strategies import step_functions
 from tofu_tf import plan as plan_lib
 from tofu_tf import plan_check
+from tofu_tf.cost import hardware as hardware_lib
 from tofu_tf.errors import TofuError
 from tofu_tf.tf import devices as devices_lib
 from tofu_tf.tf import keras_adapter
@@ -94,7 +97,7 @@ class TofuStrategy(distribute_lib.Strategy):
             plan_check.check_plan(plan, num_gpus)   # before devices: a wrong plan costs nothing
         device_set = devices_lib.provide_devices(num_gpus)
         options = _PlanOptions(memory_budget_bytes=memory_budget_bytes, mesh_shape=mesh_shape,
-                               hardware=hardware or ("cpu-virtual" if device_set.device_type == "CPU" else "h100-nvlink"),
+                               hardware=_hardware_for(hardware, device_set),
                                method=method, plan_cache=plan_cache)
         super().__init__(_TofuExtended(self, device_set, options, plan))
 
@@ -158,6 +161,27 @@ class TofuStrategy(distribute_lib.Strategy):
         return tf.nest.map_structure(_global_value, value)
 
 
+def _hardware_for(hardware, device_set) -> "hardware_lib.HardwareProfile":
+    """The profile to plan for: the user's (default: CPU virtual devices on CPU, H100 NVLink on
+    GPUs), its node being one client of a multi-client run. The planner prices a mesh axis
+    whose device groups span clients at the profile's inter-node link, so it keeps the
+    heavy splits inside a client."""
+    chosen = hardware_lib.profile(hardware or ("cpu-virtual" if device_set.device_type == "CPU" else "h100-nvlink"))
+    if device_set.cluster.is_multi_client and chosen.devices_per_node != device_set.local_count:
+        logging.info("TofuStrategy: planning for %s with %d devices per node (one client's), not %d",
+                     chosen.name, device_set.local_count, chosen.devices_per_node)
+        chosen = dataclasses.replace(chosen, devices_per_node=device_set.local_count)
+    return chosen
+
+
+def _layout_digest(plan) -> bytes:
+    """SHA-256 of what a plan lowers to (mesh, variable and input layouts): equal on every
+    client that would run the same program, whatever each spent searching."""
+    content = [list(plan.mesh_shape.items()), sorted((path, list(spec)) for path, spec in plan.variable_layouts.items()),
+               sorted((str(key), list(spec)) for key, spec in getattr(plan, "input_layouts", {}).items())]
+    return hashlib.sha256(json.dumps(content, default=str).encode()).digest()
+
+
 @dataclasses.dataclass(frozen=True)
 class _PlanOptions:
     """How the strategy plans: what the user passed to TofuStrategy."""
@@ -210,7 +234,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         plan_check.check_plan(plan, self._devices.count)
         self._ledger = plan_check.EntryLedger(plan.variable_layouts)
         inputs = list(getattr(plan, "input_layouts", {}).values())
-        self._lowered = lowering.lower(plan.mesh_shape, plan.variable_layouts, inputs, self._devices)
+        lowered = lowering.lower(plan.mesh_shape, plan.variable_layouts, inputs, self._devices)
+        devices_lib.check_clients_agree("plans", _layout_digest(plan), self._devices)
+        self._lowered = lowered
         self._mesh = self._lowered.mesh
         self._plan = plan
         summary = plan.summary() if hasattr(plan, "summary") else repr(plan)

@@ -58,6 +58,11 @@ def make_mesh(mesh_shape: Mapping[str, int], devices: DeviceSet) -> dtensor.Mesh
         raise ValueError(
             f"mesh {dict(mesh_shape)} has {total} devices but {devices.count} are available "
             f"({devices.device_type}); pick a mesh whose axis sizes multiply to {devices.count}.")
+    if devices.cluster.is_multi_client:
+        # Global device ids run row-major over the axes, each client holding a contiguous
+        # block: the last axes lie within a client, the first across clients.
+        return dtensor.create_distributed_mesh(list(mesh_shape.items()), local_devices=list(devices.names),
+                                               device_type=devices.device_type)
     return dtensor.create_mesh(list(mesh_shape.items()), devices=list(devices.names),
                                device_type=devices.device_type)
 

@@ -37,7 +37,7 @@ from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_o
 from tensorflow.python.trackable import constants as trackable_constants
 
 from tofu_tf.errors import TofuError
-from tofu_tf.tf import keras_adapter
+from tofu_tf.tf import devices, keras_adapter
 
 
 # The debug name every TofuVariable's handle op carries (see ``_one_handle_program_per_shape``).
@@ -206,7 +206,15 @@ def _gradient_relaid(value, layout: dtensor.Layout):
 
 
 def gather_to_host(value, layout: dtensor.Layout) -> np.ndarray:
-    """Assemble a DTensor's full value in host memory from its device shards."""
+    """Assemble a DTensor's full value in host memory from its device shards.
+
+    On a mesh spanning several clients this process holds only its own shards, so
+    the value is first replicated over the mesh (an all-gather every client joins:
+    every client must gather the same values in the same order, as the same
+    training script on every client does)."""
+    if not layout.is_fully_replicated() and len(layout.mesh.local_device_ids()) < layout.mesh.size:
+        value = dtensor.relayout(value, dtensor.Layout.replicated(layout.mesh, rank=layout.rank))
+        layout = dtensor.fetch_layout(value)
     if layout.is_fully_replicated():
         return dtensor.unpack(value)[0].numpy()
     shards = dtensor.unpack(value)
@@ -296,7 +304,7 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
         return self._tofu_host
 
     def _set_host_value(self, value) -> None:
-        with tf.device(_HOST):
+        with tf.device(devices.host_device()):
             host = tf.convert_to_tensor(value, dtype=self.dtype).numpy()
         self._tofu_host = np.array(np.broadcast_to(host, self.shape.as_list()))
         self._tofu_initial_value = self._tofu_host  # what ``materialize`` lays out
@@ -310,7 +318,7 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
     def _read_variable_op(self, no_copy=False):
         if not tf.executing_eagerly():
             return super()._read_variable_op(no_copy=no_copy)
-        with tf.device(_HOST):
+        with tf.device(devices.host_device()):
             return tf.constant(self._host_value())
 
     def _write(self, method: str, combine, value, use_locking, name, read_value):
@@ -405,7 +413,7 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout, *, drawn_val
         if not layout.is_fully_replicated() and shape.num_elements() > _WHOLE_VALUE_LOG_ELEMENTS:
             logging.info("building %s whole on the host before sharding it (its initializer takes no layout)",
                          variable.name)
-        with tf.device(_HOST):
+        with tf.device(devices.host_device()):
             value = tf.convert_to_tensor(initial_value() if callable(initial_value) else initial_value, dtype=dtype)
         return scatter_from_host(value.numpy(), layout)
 
@@ -491,9 +499,6 @@ def _become(variable, fresh: TofuVariable) -> TofuVariable:
 
 
 _WHOLE_VALUE_LOG_ELEMENTS = 1 << 16
-# Where a value with no sharded initializer is built whole: host memory, not
-# the first accelerator.
-_HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
 def _seeded(initial_value: functools.partial) -> functools.partial:
