@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tofu_tf import launch
 from tofu_tf.tf import cluster as cluster_lib
@@ -89,8 +90,9 @@ def test_two_clients_train_as_one_device(tmp_path, name, method, mesh, data):
 
 @pytest.mark.slow
 def test_checkpoint_moves_between_two_clients_and_one_process(tmp_path):
-    """A checkpoint written by two clients restores in one process of eight devices, and one
-    written there restores in two clients: weights and optimizer slots bit-exact."""
+    """A checkpoint written by two clients restores in one process of eight devices and on one
+    device without the strategy, and one written by the eight-device process restores in two
+    clients: weights and optimizer slots bit-exact."""
     _prepare(tmp_path, "mlp")
     _assert_ok(_run_clients(tmp_path, "--model=mlp", "--method=megatron", "--mesh=model=8", f"--save={tmp_path / 'two' / 'ckpt'}"))
     two = _weights(tmp_path)
@@ -100,6 +102,13 @@ def test_checkpoint_moves_between_two_clients_and_one_process(tmp_path):
     restored = _weights(tmp_path)
     assert len(restored) == len(two) > 6    # weights and momentum slots
     for got, want in zip(restored, two):
+        np.testing.assert_array_equal(got, want)
+    alone = h.build("mlp")                   # one device, no strategy
+    h.compile_model(alone)
+    alone.optimizer.build(alone.trainable_variables)
+    tf.train.Checkpoint(model=alone, optimizer=alone.optimizer).read(str(tmp_path / "two" / "ckpt")).assert_consumed()
+    values = alone.get_weights() + [v.numpy() for v in alone.optimizer.variables()[1:]]
+    for got, want in zip(values, two):
         np.testing.assert_array_equal(got, want)
     _assert_ok(_run_clients(tmp_path, "--model=mlp", "--method=megatron", "--mesh=model=8", f"--restore={tmp_path / 'one' / 'ckpt'}", "--steps=0"))
     for client in (0, 1):
