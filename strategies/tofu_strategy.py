@@ -161,6 +161,30 @@ class TofuStrategy(distribute_lib.Strategy):
         return tf.nest.map_structure(_global_value, value)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelFreePlan:
+    """The plan of a strategy whose first ``run`` trained no model: one ``batch`` axis over every
+    device, no variable split (``_TofuExtended._adopt_data_parallel``)."""
+
+    num_devices: int
+
+    @property
+    def mesh_shape(self) -> dict:
+        return {"batch": self.num_devices}
+
+    @property
+    def variable_layouts(self) -> dict:
+        return {}
+
+    @property
+    def input_layouts(self) -> dict:
+        return {"batch": ("batch",)}
+
+    def summary(self) -> str:
+        return (f"data parallel on mesh batch={self.num_devices}, every variable replicated "
+                "(the first strategy.run trained no model)")
+
+
 def _hardware_for(hardware, device_set) -> "hardware_lib.HardwareProfile":
     """The profile to plan for: the user's (default: CPU virtual devices on CPU, H100 NVLink on
     GPUs), its node being one client of a multi-client run. The planner prices a mesh axis
@@ -316,6 +340,11 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         if id(model) in self._prepared:
             self._hint_layouts(model)
             return
+        if isinstance(self._plan, ModelFreePlan) and model.weights:
+            raise PlanningError(
+                f"this TofuStrategy's first strategy.run trained no model, so it runs data parallel with every "
+                f"variable replicated, and {model.name} would train unpartitioned: plan {model.name} before that "
+                "first run (strategy.plan_model(model, batch_size=...)), or train it under a TofuStrategy of its own.")
         self._prepared.add(id(model))
         self._models.append(weakref.ref(model))
         for change in keras_hooks.prepare_for_dtensor(model):
@@ -494,6 +523,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         """Plan at the first ``run``: Keras' own step function (``train_on_batch``) as the model
         is compiled; a custom loop's function as it is written (``capture_step_function``)."""
         model = keras_hooks.find_model(fn, strict=True) if model is not None else None
+        if model is None and not any(variable.trainable for variable in self._deferred):
+            self._adopt_data_parallel()
+            return
         if model is None:
             raise PlanningError(
                 "TofuStrategy plans at the first strategy.run what the function passed to it trains, and no "
@@ -520,6 +552,19 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 return python_step(*step_args, **step_kwargs)
         specs = tf.nest.map_structure(_spec_of, (tuple(args), dict(kwargs)))
         self.plan_step_function(in_replica, specs, model=model, optimizer=optimizer)
+
+    def _adopt_data_parallel(self) -> None:
+        """A first ``run`` whose function trains nothing a plan could split: it reaches no Keras
+        model and no trainable variable was made in the scope (metrics, a reduction, a custom
+        loop's evaluation). It runs as MirroredStrategy would: variables replicated, each batch
+        split over all devices where it divides. No model can be planned by this strategy
+        after that (its mesh is fixed): ``_prepare`` refuses one, naming what to do."""
+        plan = ModelFreePlan(self._devices.count)
+        logging.warning("TofuStrategy: the function passed to strategy.run trains no Keras model (it reaches none, "
+                        "and no trainable variable was made in strategy.scope()): it runs data parallel over %d "
+                        "devices, variables replicated. Plan a model before such a run to partition it.",
+                        self._devices.count)
+        self._adopt(plan)
 
     def _plan_from_specs(self, model, step: keras_hooks.StepInputs) -> None:
         labels = step.labels if isinstance(step.labels, tf.TensorSpec) else None

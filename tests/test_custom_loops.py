@@ -177,9 +177,56 @@ def test_reduce_gather_and_local_results_inside_and_outside_tf_function():
     np.testing.assert_allclose(np.asarray(local), want, rtol=1e-5, atol=1e-6)
 
 
+# tf-keras's custom_training_loop_metrics_test.py (keras-team/tf-keras), its steps as written
+# with TofuStrategy as the distribution: the functions passed to run update metrics and reach
+# no model. Before: PlanningError ("no Keras model is reachable").
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_runs_that_train_no_model_update_metrics_data_parallel(framework, caplog):
+    keras = FRAMEWORKS[framework]
+    distribution = TofuStrategy(8)
+    with distribution.scope():
+        loss_metric = keras.metrics.Mean("loss", dtype=np.float32)
+        loss_metric_2 = keras.metrics.Mean("loss_2", dtype=np.float32)
+
+    @tf.function
+    def train_step():
+        def step_fn():
+            loss = tf.constant(5.0, dtype=np.float32)
+            loss_metric.update_state(loss)
+            loss_metric_2.update_state(loss)
+
+        distribution.run(step_fn)
+
+    with caplog.at_level("WARNING", logger="absl"):
+        train_step()
+    assert loss_metric.result().numpy() == loss_metric_2.result().numpy() == 5.0
+    assert "trains no Keras model" in caplog.text and "data parallel over 8 devices" in caplog.text
+    assert distribution.plan.mesh_shape == {"batch": 8}
+
+    with distribution.scope():
+        metric = keras.metrics.Mean("test_metric", dtype=np.float32)
+    dataset = distribution.experimental_distribute_dataset(tf.data.Dataset.range(16).batch(8))
+
+    @tf.function
+    def update(i):
+        metric.update_state(i)
+
+    for i in dataset:                      # batches of 8: split over the 8 devices
+        distribution.run(update, args=(i,))
+    assert metric.result().numpy() == 7.5
+
+    with distribution.scope():             # a model after that would train unpartitioned: refused
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(10)])
+        model.compile(optimizer="sgd", loss="mse")
+    x, _ = _data(GLOBAL_BATCH)
+    with pytest.raises(PlanningError, match=r"first strategy.run trained no model.*plan .* before that first run"):
+        model.fit(x, np.zeros((GLOBAL_BATCH, 10), "float32"), batch_size=GLOBAL_BATCH, verbose=0)
+
+
 def test_a_first_run_that_reaches_no_model_or_no_optimizer_is_told_how_to_plan():
-    """No guess: where the function passed to run reaches no model, or trains nothing, the
-    strategy names plan_model and what to pass, before anything runs."""
+    """No guess: where the function passed to run reaches no model while one made in the scope
+    waits for its plan, or trains nothing, the strategy names plan_model and what to pass,
+    before anything runs."""
     strategy = TofuStrategy(8)
     loop = _Loop(tf_keras, strategy, plan=False)
     x, _ = _data(GLOBAL_BATCH)
