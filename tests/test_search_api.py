@@ -198,3 +198,24 @@ def test_a_quick_search_keeps_its_progress_out_of_the_info_log(caplog):
     messages = [record.getMessage() for record in caplog.records]
     assert "optimality not proved" in messages[1] and "2 of 2 axis problems" in messages[1]
     assert "3 axis problems solved (searching for a plan within the memory budget)" in messages[2]
+
+
+def test_a_mesh_the_user_names_keeps_its_names():
+    """Before, mesh_shape={"data": 2, "tensor": 2} planned on axes renamed by role ("model",
+    "model1"), so the user's plan named axes the user never wrote."""
+    graph = mlp_graph()
+    plan = _plan(graph, "tofu", mesh_shape={"data": 2, "tensor": 2})
+    assert list(plan.mesh_shape) == ["data", "tensor"]
+    check_plan(graph, plan)
+    used = {axis for layout in plan.variable_layouts.values() for axis in layout if axis}
+    assert used <= {"data", "tensor"}
+    unnamed = _plan(graph, "tofu", mesh_shape=(2, 2))      # sizes only: named by role
+    assert set(unnamed.mesh_shape) <= {"batch", "model", "model1"}
+
+
+@pytest.mark.parametrize("method", ["data_parallel", "megatron"])
+def test_a_baseline_refuses_a_mesh_it_would_ignore(method):
+    """Before, megatron and data_parallel planned their own one-axis mesh whatever mesh_shape said."""
+    with pytest.raises(ValueError, match=rf"method='{method}' plans its own one-axis mesh of 4 devices.*\(a=2, b=2\)"):
+        _plan(mlp_graph(), method, mesh_shape={"a": 2, "b": 2})
+    assert list(_plan(mlp_graph(), method, mesh_shape=(4,)).mesh_shape.values()) == [4]

@@ -117,7 +117,7 @@ def _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_
     else:
         best = search.best_under_budget(meshes, budget, objective)
     return _to_plan(best, graph, method, objective, hardware, memory_budget_bytes,
-                    time.perf_counter() - start, search, target)
+                    time.perf_counter() - start, search, target, user_names=isinstance(mesh_shape, Mapping))
 
 
 def plan_model(model, *, num_devices: int, batch_size: int, loss="sparse_categorical_crossentropy",
@@ -140,6 +140,11 @@ def _default_provider() -> StrategyProvider:
 
 
 def _meshes_and_restriction(method: Method, index: GraphIndex, n: int, mesh_shape):
+    if method in (Method.DATA_PARALLEL, Method.MEGATRON) and mesh_shape is not None \
+            and MeshSpec.from_user_input(mesh_shape).sizes != (n,):
+        raise ValueError(f"method={method.value!r} plans its own one-axis mesh of {n} devices, and mesh_shape "
+                         f"{MeshSpec.from_user_input(mesh_shape).text()} asks for another: drop mesh_shape, or "
+                         "plan with method='tofu' on that mesh.")
     if method is Method.DATA_PARALLEL:
         return [MeshSpec((("batch", n),))], baselines.data_parallel_restriction(index, n)
     if method is Method.MEGATRON:
@@ -363,8 +368,11 @@ def _zip_tables(tables: Sequence[Mapping]) -> dict:
 
 # -- the Plan ------------------------------------------------------------------
 
-def _axis_names(candidate: _Candidate, index: GraphIndex, method: Method) -> tuple[str, ...]:
-    if method in (Method.DATA_PARALLEL, Method.MEGATRON):
+def _axis_names(candidate: _Candidate, index: GraphIndex, method: Method, user_names: bool) -> tuple[str, ...]:
+    """The plan's mesh axis names: the user's where ``mesh_shape`` named them; else by what
+    each axis splits: ``batch`` for the first that splits the batch inputs, ``model``,
+    ``model1``, ... for the others."""
+    if user_names or method in (Method.DATA_PARALLEL, Method.MEGATRON):
         return candidate.mesh.names
     names, models = [], 0
     for decision in candidate.decisions:
@@ -386,8 +394,9 @@ def _layout(splits, names, rank) -> tuple:
 
 
 def _to_plan(best: _Candidate, graph: ir.Graph, method: Method, objective: Objective,
-             hardware: HardwareProfile, budget, seconds: float, search: _Search, target: Target) -> Plan:
-    names = _axis_names(best, search.index, method)
+             hardware: HardwareProfile, budget, seconds: float, search: _Search, target: Target,
+             user_names: bool = False) -> Plan:
+    names = _axis_names(best, search.index, method, user_names)
     op_strategies, var_splits = _merge(best.decisions)
     # Every tensor's layout is its producer's output split on each axis. Strategies are shared
     # objects (one per op signature and split), so layouts repeat: they are made once per
