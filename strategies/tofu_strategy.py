@@ -227,8 +227,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._lowered = None
         self._deferred: list[variables_lib.DeferredVariable] = []
         self._passthrough = False
-        self._prepared: set[int] = set()
-        self._models: list[weakref.ref] = []
+        # The models prepared for DTensor, weakly: an id() would outlive its model, and a new model
+        # given the same id after garbage collection would skip its preparation.
+        self._prepared: weakref.WeakSet = weakref.WeakSet()
         self._batch_placer: batches_lib.BatchPlacer | None = None
         # The plan's unique names (keras_adapter.UniquePaths) of the planned model's weights, by
         # id of their variable, and how often each path shared by several planned variables was made.
@@ -266,10 +267,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         summary = plan.summary() if hasattr(plan, "summary") else repr(plan)
         logging.info("TofuStrategy plan:\n%s", summary)
         self._materialize_deferred()
-        for ref in self._models:
-            model = ref()
-            if model is not None:
-                self._hint_layouts(model)
+        for model in list(self._prepared):
+            self._hint_layouts(model)
 
     def plan_for(self, model, *, batch_size, loss, optimizer, labels, features=None) -> None:
         """Plan ``model``'s compiled training step (or one made of ``loss`` and ``optimizer``)."""
@@ -337,7 +336,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         if keras_hooks.update_moving_averages(optimizer):
             logging.info("TofuStrategy: optimizer %s: use_ema moving averages updated after each step (tf-keras' "
                          "DTensor path skips them)", optimizer.name)
-        if id(model) in self._prepared:
+        if model in self._prepared:
             self._hint_layouts(model)
             return
         if isinstance(self._plan, ModelFreePlan) and model.weights:
@@ -345,8 +344,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 f"this TofuStrategy's first strategy.run trained no model, so it runs data parallel with every "
                 f"variable replicated, and {model.name} would train unpartitioned: plan {model.name} before that "
                 "first run (strategy.plan_model(model, batch_size=...)), or train it under a TofuStrategy of its own.")
-        self._prepared.add(id(model))
-        self._models.append(weakref.ref(model))
+        self._prepared.add(model)
         for change in keras_hooks.prepare_for_dtensor(model):
             logging.info("TofuStrategy: layer %s: %s (%s)", change.layer, change.change, change.reason)
         if step_functions.install(model, self._placer):

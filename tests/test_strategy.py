@@ -660,3 +660,20 @@ def test_logs_name_layers_by_their_path(framework):
     assert changed == (["block_0/norm", "block_1/norm"] if framework == "tf_keras" else [])   # Keras 3 does not fuse
     assert keras_hooks.relayout_layer_inputs(model, lambda kernel: "model", "batch", mesh=None) == \
         ["block_0/proj", "block_1/proj"]
+
+
+def test_the_strategy_holds_the_models_it_prepared_weakly():
+    """Before, it kept their id()s: once a model was collected, a new model given the same id
+    was taken as prepared and skipped its rewrites for DTensor."""
+    import gc
+    import weakref
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = h.build("mlp")
+        h.compile_model(model)
+    strategy.extended._prepare(model)
+    assert model in strategy.extended._prepared
+    collected = weakref.ref(model)
+    del model
+    gc.collect()
+    assert collected() is None and len(strategy.extended._prepared) == 0
