@@ -1,6 +1,24 @@
 """Install tofu_tf and the strategies built on it."""
 
+import ast
+import os
+
 from setuptools import find_packages, setup
+
+
+def _tested_ranges():
+    """``TESTED`` of tofu_tf/versions.py, read from its text: setup.py runs before the
+    dependencies are installed, so it cannot import the package."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tofu_tf", "versions.py")
+    with open(path, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read(), path)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["TESTED"]:
+            return ast.literal_eval(node.value)
+    raise RuntimeError(f"{path} defines no TESTED")
+
+
+TESTED = _tested_ranges()
 
 setup(
     name="tofu_tf",
@@ -12,12 +30,13 @@ setup(
     package_data={"tofu_tf.pipeline": ["data/*.json"]},
     python_requires=">=3.10,<3.13",
     install_requires=[
-        # TensorFlow 2.21 (the wheel ships both CPU and CUDA kernels). Do not add
+        # The tested ranges are tofu_tf/versions.py's, which also checks them at run time.
+        # TensorFlow's wheel ships both CPU and CUDA kernels. Do not add
         # tensorflow-cpu beside it: tf-keras requires the `tensorflow` distribution
         # and two distributions would share one module tree.
-        "tensorflow>=2.21,<2.22",
-        "tf-keras>=2.21,<2.22",
-        "keras>=3.10,<4",
+        "tensorflow" + TESTED["tensorflow"],
+        "tf-keras" + TESTED["tf-keras"],
+        "keras" + TESTED["keras"],
         "absl-py>=2.1",
         "numpy>=1.26",
         "scipy>=1.11",
@@ -28,9 +47,9 @@ setup(
         # keras-hub: the tests and bench/zoo.py train its models (small configs, no downloads).
         # matplotlib: Plan.to_png and tofu-plan --png (the HTML page needs nothing); the tests draw one.
         # pytest-xdist: the README's test command runs the suite on two workers, a file each.
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "highspy>=1.7", "keras-hub>=0.32,<0.33",
-                 "matplotlib>=3.8"],
-        "bench": ["highspy>=1.7", "keras-hub>=0.32,<0.33"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "highspy>=1.7",
+                 "keras-hub" + TESTED["keras-hub"], "matplotlib>=3.8"],
+        "bench": ["highspy>=1.7", "keras-hub" + TESTED["keras-hub"]],
         "plot": ["matplotlib>=3.8"],
     },
     entry_points={"console_scripts": ["tofu-plan=tofu_tf.plan_command:entry_point",
