@@ -59,6 +59,45 @@ class CommCost:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """A partition plan: a mesh, a DTensor layout for every tensor of the step, the modeled cost.
+
+    ``plan_model`` and ``plan_graph`` make it and ``TofuStrategy(plan=...)`` trains with it.
+    It is frozen and reads back from its JSON (``to_json``, ``from_json``), so a plan can be
+    searched once, inspected or edited, and reused. A layout is a tuple with one entry per dim
+    of the tensor: the name of the mesh axis that dim is split over, or None where it is whole.
+
+    Attributes:
+        method: The search that made the plan (``Method``).
+        mesh_axes: ``(name, size)`` of each mesh axis, outermost first.
+        variable_layouts: Keras variable path (optimizer slots included) -> layout.
+        input_layouts: Batch input tensor -> layout.
+        tensor_layouts: Every tensor of the step -> the layout its op produces it in.
+        partial_tensors: Tensor -> the mesh axes over which it is held as partial sums that a
+            later collective reduces.
+        op_strategies: Op -> the name of its partition strategy on each mesh axis.
+        comm_by_collective: Collective kind -> ``CommCost`` per device per step.
+        comm_by_layer: Keras layer -> ``CommCost`` per device per step.
+        memory: The modeled peak per device and what makes it up (``MemoryReport``).
+        search_seconds: Wall-clock seconds the search took.
+        hardware: The name of the hardware profile that priced the plan.
+        objective: What the search minimized (``Objective``).
+        memory_budget_bytes: The budget asked for; None when the hardware's memory was used.
+        proved_optimal: For "ilp", whether HiGHS proved the plan optimal; None otherwise.
+        notes: Remarks a person should read, such as variables kept replicated because no dim
+            divides a mesh axis.
+        compute_seconds: Modeled compute seconds per step.
+        target: "dtensor" (layouts DTensor runs) or "ideal" (Tofu's whole space).
+
+    Example:
+        >>> import tofu_tf
+        >>> from tofu_tf import models
+        >>> plan = tofu_tf.plan_model(models.mlp(width=1024), num_devices=8, batch_size=32)
+        >>> plan.num_devices
+        8
+        >>> len(plan.variable_layouts["dense_0/kernel"])   # an axis name or None per dim
+        2
+    """
+
     method: Method
     mesh_axes: tuple[tuple[str, int], ...]
     variable_layouts: Mapping[str, tuple]
@@ -109,7 +148,22 @@ class Plan:
 
     # -- for people ----------------------------------------------------------
     def summary(self, *, top: int = 10) -> str:
-        """A table a person reads in a terminal."""
+        """The plan as a table a person reads in a terminal.
+
+        The mesh, the modeled step time, communication and peak memory (with its parts and
+        the budget), how long the search took, the collectives, the layers that communicate
+        most, the first variables' layouts and the notes.
+
+        Args:
+            top: How many layers, variables and notes to list.
+
+        Returns:
+            The table, lines joined by newlines.
+
+        Example:
+            >>> print(plan.summary(top=3))  # doctest: +ELLIPSIS
+            Plan (tofu, objective time) on mesh ...
+        """
         mesh = " x ".join(f"{n}={s}" for n, s in self.mesh_axes) or "(1 device)"
         mem = self.memory
         lines = [
@@ -143,14 +197,43 @@ class Plan:
         return "\n".join(lines)
 
     def to_html(self, path, *, graph=None, comparison=None) -> None:
-        """Write the plan's page to ``path``: one self-contained HTML file (``tofu_tf.plan_report``).
-        With the captured ``graph`` its activations are listed by layer; ``comparison`` maps a
-        method's name to its plan, or to why it gave none."""
+        """Write the plan's page to ``path``: one self-contained HTML file, no network needed.
+
+        The page (``tofu_tf.plan_report``) shows the mesh, memory per device by role against
+        the budget, communication by collective kind and by layer, and the layouts by layer.
+
+        Args:
+            path: The file to write (a str or path-like); it is replaced if it exists.
+            graph: The captured step the plan was made for; with it, the layouts by layer
+                name the activations (the plan alone does not say which tensors are).
+            comparison: Method name -> another plan of the same step to compare with, or a
+                str saying why that method gave none.
+
+        Raises:
+            OSError: ``path`` cannot be written.
+
+        Example:
+            >>> plan.to_html("plan.html")
+        """
         from tofu_tf import plan_report
         plan_report.write_html(self, path, graph=graph, comparison=comparison)
 
     def to_png(self, path, *, comparison=None) -> None:
-        """Draw memory per device by role against the budget, and communication by layer (matplotlib)."""
+        """Draw memory per device by role against the budget, and communication by layer, as a PNG.
+
+        Args:
+            path: The PNG file to write (a str or path-like).
+            comparison: Method name -> another plan of the same step, drawn beside this one in
+                the memory chart (a str, for a method that gave no plan, is left out).
+
+        Raises:
+            tofu_tf.plan_report.PlotUnavailableError: matplotlib, which draws the chart, is not
+                installed (``pip install 'tofu_tf[plot]'``); ``to_html`` needs nothing.
+            OSError: ``path`` cannot be written.
+
+        Example:
+            >>> plan.to_png("plan.png")
+        """
         from tofu_tf import plan_report
         plan_report.write_png(self, path, comparison=comparison)
 
@@ -183,6 +266,22 @@ class Plan:
         }
 
     def to_json(self, **json_kwargs) -> str:
+        """The plan as JSON text, which ``from_json`` reads back equal.
+
+        The text carries ``PLAN_VERSION``, so a later tofu_tf refuses it with the remedy
+        instead of misreading it.
+
+        Args:
+            **json_kwargs: Passed on to ``json.dumps``, e.g. ``indent=2``.
+
+        Returns:
+            The JSON text of ``to_dict()``.
+
+        Example:
+            >>> text = plan.to_json(indent=2)
+            >>> tofu_tf.Plan.from_json(text) == plan
+            True
+        """
         return json.dumps(self.to_dict(), **json_kwargs)
 
     @classmethod
@@ -204,6 +303,29 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "plan JSON") -> "Plan":
+        """The plan in JSON text written by ``to_json``, every field checked.
+
+        A plan may have been edited by hand or written for another model, so every problem
+        (invalid JSON, a missing or unknown field, a value of the wrong kind, a layout naming
+        an axis the mesh lacks) is reported, all at once, instead of being dropped.
+
+        Args:
+            text: The JSON text.
+            source: What the text is, as the error messages name it (a file's path).
+
+        Returns:
+            The ``Plan``.
+
+        Raises:
+            tofu_tf.PlanError: The text is not JSON, not a JSON object, or has fields that do
+                not read; the message lists each problem.
+            tofu_tf.plan.PlanVersionError: The text has another plan version, or none (a
+                ``PlanError``); plan the model again.
+
+        Example:
+            >>> tofu_tf.Plan.from_json(plan.to_json()) == plan
+            True
+        """
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
@@ -213,7 +335,25 @@ class Plan:
 
     @classmethod
     def from_file(cls, path) -> "Plan":
-        """The plan in the JSON file at ``path`` (as ``Path(path).write_text(plan.to_json())`` wrote it)."""
+        """The plan in the JSON file at ``path``, read with ``from_json``.
+
+        Args:
+            path: A file holding ``to_json()`` text (a str or path-like), UTF-8.
+
+        Returns:
+            The ``Plan``.
+
+        Raises:
+            OSError: The file cannot be opened (``FileNotFoundError`` when it does not exist).
+            tofu_tf.PlanError: Its text does not read as a plan; the message names the file
+                and each problem (``PlanVersionError`` for another plan version).
+
+        Example:
+            >>> import pathlib
+            >>> _ = pathlib.Path("plan.json").write_text(plan.to_json())
+            >>> tofu_tf.Plan.from_file("plan.json") == plan
+            True
+        """
         with open(path, encoding="utf-8") as handle:
             return cls.from_json(handle.read(), source=f"plan file {os.fspath(path)!r}")
 

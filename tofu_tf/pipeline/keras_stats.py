@@ -36,18 +36,58 @@ def micro_batch_size(batch_size: int, num_microbatches: int) -> int:
 def layer_stats(model, *, batch_size: int, loss, optimizer, num_microbatches: int,
                 profile: bool = False, model_fn: Callable | None = None,
                 profile_devices: int = 8, hardware="h100-nvlink") -> list[LayerStats]:
-    """One ``LayerStats`` per pipeline unit of ``model`` at micro-batch size
-    ``batch_size // num_microbatches``.
+    """The memory and compute figures of each pipeline unit of ``model``, for ``partition``.
 
-    Analytic by default, from the captured training step (no model-sized
-    allocation). ``profile=True`` measures every unit's ``isolated_bytes``,
-    ``added_bytes`` and per-micro-batch ``activation_bytes`` by running trimmed
-    stages in subprocesses (``tofu_tf.pipeline.profile``), ``profile_devices``
-    stages per profiling run. The subprocesses rebuild the model from
-    ``model_fn``, a picklable zero-argument callable such as
-    ``functools.partial(tofu_tf.models.gpt, num_layers=4)``, or, without one,
-    from the model's Keras config. ``hardware`` (a profile name or
-    ``tofu_tf.cost.HardwareProfile``) prices ``compute_seconds``.
+    A pipeline can cut a model only where one tensor crosses from a layer to the next, so the
+    top-level layers between two such places form one unit (a Transformer block with its
+    residual connection is one unit, a Dense layer stays one). Each unit's ``LayerStats`` hold
+    its weights, gradients and optimizer slots, the activations it keeps per micro-batch and
+    its transient peak, at the micro-batch size ``batch_size // num_microbatches``.
+
+    By default the figures are analytic, read off the captured training step, so nothing
+    model-sized is allocated. ``profile=True`` measures them instead, by running trimmed
+    stages of the model in subprocesses (``tofu_tf.pipeline.profile``): slower, and it needs
+    the memory the stages use.
+
+    Args:
+        model: A built Keras model (tf-keras or Keras 3) whose top-level layers form a chain.
+        batch_size: The global batch size of one step.
+        loss: What ``model.compile`` takes as its loss: a name or a loss object.
+        optimizer: What ``model.compile`` takes as its optimizer: a name or an optimizer.
+        num_microbatches: How many micro-batches a step is split into; it divides
+            ``batch_size``.
+        profile: Whether to measure each unit's ``isolated_bytes``, ``added_bytes`` and
+            ``activation_bytes`` instead of deriving them.
+        model_fn: With ``profile=True``, a picklable zero-argument callable that rebuilds the
+            model in the subprocesses, such as ``functools.partial(tofu_tf.models.gpt,
+            num_layers=4)``; None rebuilds it from its Keras config.
+        profile_devices: With ``profile=True``, how many devices one profiling run stands
+            for: the stages to measure are packed into runs of that many.
+        hardware: A hardware profile name or ``tofu_tf.cost.HardwareProfile``; it prices
+            each unit's ``compute_seconds``.
+
+    Returns:
+        One ``LayerStats`` per unit, in model order, named after the layers it holds.
+
+    Raises:
+        ValueError: ``batch_size`` or ``num_microbatches`` is not a positive int, or does
+            not split into equal micro-batches; with ``profile=True`` and no ``model_fn``,
+            a model that cannot be rebuilt from its Keras config.
+        tofu_tf.tf.keras_adapter.UnsupportedModelError: ``model`` is not a built Keras model.
+        tofu_tf.DynamicShapeError: A tensor of the step has a dimension unknown at trace time.
+        tofu_tf.pipeline.graph_stats.GraphStatsError: The captured step does not map onto the
+            model's top-level layers.
+        tofu_tf.pipeline.profile.ProfilingError: With ``profile=True``, a profiling subprocess
+            failed, or ``model_fn`` cannot be pickled.
+
+    Example:
+        >>> from tofu_tf import models, pipeline
+        >>> stats = pipeline.layer_stats(models.mlp(depth=4), batch_size=32, num_microbatches=4,
+        ...                              loss="sparse_categorical_crossentropy", optimizer="adam")
+        >>> [unit.name for unit in stats]
+        ['dense_0', 'dense_1', 'dense_2', 'dense_3', 'head']
+        >>> pipeline.partition(stats, 2, num_microbatches=4).num_stages
+        2
     """
     micro = micro_batch_size(batch_size, num_microbatches)
     analysis = analyze_model(model, micro_batch=micro, loss=loss, optimizer=optimizer,
@@ -104,17 +144,66 @@ def recommend_hybrid(model, *, num_devices: int, batch_size: int, loss, optimize
                      schedule="1f1b", regression: MemoryRegression | None = None,
                      profile: bool = False, model_fn: Callable | None = None,
                      hardware="h100-nvlink") -> HybridRecommendation:
-    """Rank every PP x TP x DP factorisation of ``num_devices`` for ``model``.
+    """Rank every pipeline x tensor x data parallel split of ``num_devices`` for ``model``.
 
-    The model's units are analysed at micro-batch sizes 1 and 2 (two captures;
-    every figure is affine in the micro-batch size, see ``hybrid.ScalableChain``),
-    and ``hybrid.rank_hybrid`` predicts each candidate's peak per device with
-    ``regression``: by default the one fitted on the stage profiles shipped
-    with tofu_tf (``regression.default_regression``); with ``profile=True`` one
-    fitted on stages of this very model, measured in subprocesses
-    (``fit_memory_regression``). Lowest predicted peak first, or with
-    ``memory_budget_bytes`` the fastest plan that fits (``InfeasibleBudgetError``
-    if none does). ``.table()`` prints the top candidates.
+    Each factorisation ``pp * tp * dp = num_devices`` is a candidate: the model's units
+    (``layer_stats``) are cut into ``pp`` balanced stages, each sharded ``tp`` ways and
+    replicated ``dp`` ways, and its peak memory per device and step time are predicted.
+    The peak comes from ``regression``, fitted on measured stage peaks, because the analytic
+    figures leave out memory a running stage holds (gradient accumulation, the optimizer's
+    temporaries). The model is captured at micro-batch sizes 1 and 2 only: every figure is
+    affine in the micro-batch size (``hybrid.ScalableChain``), so two captures give it at
+    any size.
+
+    Args:
+        model: A built Keras model (tf-keras or Keras 3) whose top-level layers form a chain.
+        num_devices: How many devices the candidates split.
+        batch_size: The global batch size of one step.
+        loss: What ``model.compile`` takes as its loss: a name or a loss object.
+        optimizer: What ``model.compile`` takes as its optimizer: a name or an optimizer.
+        memory_budget_bytes: Peak bytes allowed per device. None ranks by lowest predicted
+            peak; with a budget, the fastest candidates that fit come first.
+        num_microbatches: Micro-batches per step for every candidate; None picks per
+            candidate (one without a pipeline, else the largest divisor of the replica's
+            batch up to ``4 * pp``). A candidate whose batch does not split is left out.
+        schedule: The pipeline schedule, "1f1b" or "gpipe".
+        regression: The ``MemoryRegression`` that predicts a stage's peak; None takes the
+            one fitted on the stage profiles shipped with tofu_tf, or with ``profile=True``
+            one fitted on measured stages of this model.
+        profile: Whether to fit the regression on stages of this model, measured in
+            subprocesses (slower), when ``regression`` is None.
+        model_fn: With ``profile=True``, a picklable zero-argument callable that rebuilds the
+            model in the subprocesses; None rebuilds it from its Keras config.
+        hardware: A hardware profile name or ``tofu_tf.cost.HardwareProfile``; it prices the
+            step time (compute and each group's links).
+
+    Returns:
+        A ``HybridRecommendation``: ``candidates`` ranked best first (``best`` is the first),
+        each with its ``pp``, ``tp``, ``dp``, micro-batches, stage boundaries, predicted peak
+        and step time; ``table(top)`` prints them.
+
+    Raises:
+        tofu_tf.InfeasibleBudgetError: No candidate's predicted peak fits
+            ``memory_budget_bytes``; the message gives the lowest.
+        ValueError: No factorisation splits ``batch_size`` into the micro-batches; a
+            ``num_devices`` that is not a positive int, an unknown ``schedule`` or
+            ``hardware``; with ``profile=True`` and no ``model_fn``, a model that cannot be
+            rebuilt from its Keras config.
+        tofu_tf.tf.keras_adapter.UnsupportedModelError, tofu_tf.DynamicShapeError,
+            tofu_tf.pipeline.graph_stats.GraphStatsError: As ``layer_stats`` raises them.
+        tofu_tf.pipeline.profile.ProfilingError: With ``profile=True``, a profiling subprocess
+            failed, or ``model_fn`` cannot be pickled.
+
+    Example:
+        >>> from tofu_tf import models, pipeline
+        >>> recommendation = pipeline.recommend_hybrid(
+        ...     models.gpt(num_layers=4), num_devices=8, batch_size=16,
+        ...     loss="sparse_categorical_crossentropy", optimizer="adam")
+        >>> best = recommendation.best
+        >>> best.pp * best.tp * best.dp
+        8
+        >>> print(recommendation.table(top=3))  # doctest: +ELLIPSIS
+        Hybrid PP x TP x DP plans for 8 devices, global batch 16, 1f1b; ...
     """
     low = analyze_model(model, micro_batch=1, loss=loss, optimizer=optimizer, hardware=hardware)
     high = analyze_model(model, micro_batch=2, loss=loss, optimizer=optimizer, hardware=hardware)

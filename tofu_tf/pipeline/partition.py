@@ -99,14 +99,44 @@ class StagePlan:
 
 def partition(stats: Sequence[LayerStats], num_stages: int, *, schedule: "Schedule | str" = "1f1b",
               num_microbatches: int, method: "Method | str" = "optimal") -> StagePlan:
-    """Cut ``stats`` (a layer chain) into ``num_stages`` pipeline stages.
+    """Cut a chain of layers into ``num_stages`` pipeline stages with balanced peak memory.
 
-    >>> from tofu_tf.pipeline import LayerStats
-    >>> layers = [LayerStats(name=f"l{i}", state_bytes=s, activation_bytes=1,
-    ...                      transient_bytes=0) for i, s in enumerate([8, 1, 1, 1, 1, 8])]
-    >>> plan = partition(layers, 2, schedule="gpipe", num_microbatches=1)
-    >>> plan.boundaries, plan.stage_peak_bytes
-    ((0, 3), (13, 13))
+    A stage's peak (``stage_peak_bytes``) is its layers' state, plus the activations of
+    every micro-batch it holds in flight under ``schedule``, plus its largest transient
+    (measured figures replace these where every layer has them). Under 1F1B the first
+    stage holds the most micro-batches, so equal layer counts leave it fullest. "optimal"
+    minimizes the largest stage peak, then the second largest, and so on, exactly; the
+    other methods are the baselines it is compared with.
+
+    Args:
+        stats: One ``LayerStats`` per layer (or unit), in order, such as ``layer_stats``
+            returns; names must be unique.
+        num_stages: How many stages to cut the chain into; at most one per layer.
+        schedule: The pipeline schedule, "1f1b" or "gpipe" (or a ``Schedule``).
+        num_microbatches: Micro-batches per step; with the schedule, it sets how many each
+            stage holds in flight.
+        method: "optimal" (the exact lexicographic minimum of the stage peaks), "uniform"
+            (equal layer counts, Megatron-LM), "parameters" (balanced ``param_count``,
+            DeepSpeed) or "time" (balanced ``compute_seconds``, torchgpipe); or a ``Method``.
+
+    Returns:
+        A ``StagePlan``: the first layer of each stage (``boundaries``), each stage's peak
+        (``stage_peak_bytes``, under the stage model whatever the method); ``summary()``
+        prints it.
+
+    Raises:
+        ValueError: ``stats`` is empty or has two layers of one name, ``num_stages`` or
+            ``num_microbatches`` is not an integer >= 1, ``num_stages`` exceeds the layers,
+            or ``schedule`` or ``method`` is unknown.
+        TypeError: An item of ``stats`` is not a ``LayerStats``.
+
+    Example:
+        >>> from tofu_tf.pipeline import LayerStats
+        >>> layers = [LayerStats(name=f"l{i}", state_bytes=s, activation_bytes=1,
+        ...                      transient_bytes=0) for i, s in enumerate([8, 1, 1, 1, 1, 8])]
+        >>> plan = partition(layers, 2, schedule="gpipe", num_microbatches=1)
+        >>> plan.boundaries, plan.stage_peak_bytes
+        ((0, 3), (13, 13))
     """
     chain = validate_chain(stats)
     method = Method.from_user(method)

@@ -58,19 +58,67 @@ def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | 
                mesh_shape=None, objective: str | Objective = Objective.TIME,
                strategy_provider: StrategyProvider | None = None, time_limit_s: float = 60.0,
                max_states: int = tofu_dp.DEFAULT_MAX_STATES, target: str | Target = Target.DTENSOR) -> Plan:
-    """Plan ``graph`` for ``num_devices`` devices.
+    """Choose a mesh shape and a layout for every tensor of a captured training step.
 
-    ``method``: "tofu" (recursive DP), "ilp" (the same problems as integer
-    programs, HiGHS, ``time_limit_s`` per axis), "data_parallel" or "megatron".
-    "tofu" also hands HiGHS (``time_limit_s``) an axis problem too wide for exact
-    elimination, such as an unrolled RNN's (``tofu_dp.solve_axis``).
-    ``memory_budget_bytes`` defaults to the hardware's device memory.
-    ``mesh_shape`` fixes the mesh (dict name -> size, or a tuple of sizes).
-    ``objective``: "time" (modeled step seconds: communication + compute), "comm"
-    (communication only) or "memory" (peak bytes). ``target``: "dtensor" keeps
-    only what DTensor can lower (``tofu_tf.search.targets``) and raises
-    ``UnsupportedOpError`` for a graph with ops DTensor runs in no layout;
-    "ideal" searches Tofu's whole space.
+    Every ordered factorization of ``num_devices`` into mesh axes is tried (or only
+    ``mesh_shape``); each axis is solved in turn by ``method``, each candidate is priced by
+    ``hardware``'s cost model, and the best by ``objective`` among those whose modeled peak
+    memory per device fits the budget wins. Planning runs no step and needs no devices:
+    the plan is what ``TofuStrategy`` lowers onto DTensor.
+
+    Args:
+        graph: The training step's IR, as ``tofu_tf.capture_training_step`` returns it.
+        num_devices: How many devices the step is spread over.
+        memory_budget_bytes: Peak bytes allowed per device; None takes ``hardware``'s device
+            memory. The baselines keep their fixed pattern whatever its peak.
+        method: "tofu" (Tofu's recursive dynamic program; an axis problem too wide for it,
+            such as an unrolled RNN's, also goes to HiGHS for ``time_limit_s``), "ilp" (each
+            axis as an integer program solved by HiGHS), or the baselines "data_parallel" and
+            "megatron", each on its own one-axis mesh.
+        hardware: A profile name ("h100-nvlink", "h200-nvlink", "pcie-gpu", "cpu-virtual") or
+            a ``tofu_tf.cost.HardwareProfile``: its links and speed price communication and
+            compute, its memory is the default budget.
+        mesh_shape: The mesh to plan on instead of searching one: a dict axis name -> size
+            (the plan keeps those names) or a tuple of sizes; the sizes multiply to
+            ``num_devices``.
+        objective: What the search minimizes within the budget: "time" (modeled step
+            seconds, communication plus compute), "comm" (communication seconds only) or
+            "memory" (peak bytes per device).
+        strategy_provider: Replaces the partition strategies derived from the op
+            descriptions (``tofu_tf.semantics.strategies``): a callable ``(op, graph,
+            num_parts)`` returning the op's ``OpStrategy`` list.
+        time_limit_s: Seconds HiGHS may spend on one axis problem.
+        max_states: States the capped dynamic program keeps for an axis problem too wide for
+            exact elimination, used when HiGHS proves no optimum.
+        target: "dtensor" keeps only the layouts TF's DTensor can run
+            (``tofu_tf.search.targets``); "ideal" searches Tofu's whole space, for comparison.
+
+    Returns:
+        A ``tofu_tf.Plan``: the mesh axes, a layout for every variable, input and tensor, and
+        the modeled cost (communication and compute per step, peak memory per device).
+
+    Raises:
+        tofu_tf.InfeasibleBudgetError: "tofu" or "ilp" found no plan whose modeled peak fits
+            the budget; the message gives the leanest plan's peak and its largest contributors.
+        tofu_tf.UnsupportedOpError: ``target`` is "dtensor" and the step holds ops DTensor
+            runs in no layout (each is named, with a rewrite).
+        tofu_tf.search.ilp.ILPError: ``method`` is "ilp" and HiGHS found no solution of an
+            axis within ``time_limit_s``.
+        tofu_tf.mesh.LayoutError: ``num_devices`` is not positive, or ``mesh_shape`` is not a
+            dict or tuple of positive int sizes.
+        ValueError: An unknown ``method``, ``objective``, ``hardware`` or ``target``; a
+            ``mesh_shape`` of another device count, or one other than its own mesh for
+            "data_parallel" and "megatron".
+
+    Example:
+        >>> import tofu_tf
+        >>> from tofu_tf import models
+        >>> graph = tofu_tf.capture_training_step(models.mlp(), batch_size=32, optimizer="adam",
+        ...                                       loss="sparse_categorical_crossentropy")
+        >>> tofu_tf.plan_graph(graph, num_devices=8, mesh_shape={"batch": 2, "model": 4}).mesh_shape
+        {'batch': 2, 'model': 4}
+        >>> tofu_tf.plan_graph(graph, num_devices=4, method="data_parallel").mesh_shape
+        {'batch': 4}
     """
     with _collector_paused():
         return _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_shape, objective,
@@ -123,7 +171,50 @@ def _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_
 def plan_model(model, *, num_devices: int, batch_size: int, loss="sparse_categorical_crossentropy",
                optimizer="adam", memory_budget_bytes: int | None = None, method: str | Method = "tofu",
                **kwargs) -> Plan:
-    """Capture ``model``'s training step (TF, imported here) and plan it with ``plan_graph``."""
+    """Capture ``model``'s training step and plan it for ``num_devices`` devices.
+
+    ``capture_training_step`` traces the step and ``plan_graph`` plans it. TensorFlow is
+    imported here, on first use, so that the planner core stays TF-free. The step is traced,
+    never run: the model's weights and the optimizer are left as they are.
+
+    Args:
+        model: A built Keras model, tf-keras or Keras 3.
+        num_devices: How many devices the step is spread over.
+        batch_size: The global batch size of one training step; every shape is planned at it.
+        loss: What ``model.compile`` takes as its loss: a name or a loss object.
+            Planning needs it to trace the backward pass.
+        optimizer: What ``model.compile`` takes as its optimizer: a name or an optimizer;
+            its slots count in the memory the plan must fit.
+        memory_budget_bytes: Peak bytes allowed per device; None takes the hardware's device
+            memory.
+        method: "tofu", "ilp", "data_parallel" or "megatron" (see ``plan_graph``).
+        **kwargs: The other options of ``plan_graph``: ``hardware``, ``mesh_shape``,
+            ``objective``, ``strategy_provider``, ``time_limit_s``, ``max_states``,
+            ``target``.
+
+    Returns:
+        A ``tofu_tf.Plan``, to print (``summary``), save (``to_json``) or hand to
+        ``TofuStrategy(plan=...)``.
+
+    Raises:
+        tofu_tf.tf.keras_adapter.UnsupportedModelError: ``model`` is not a Keras model, is
+            not built, or its step cannot be traced.
+        tofu_tf.DynamicShapeError: A tensor of the step has a dimension unknown at trace time.
+        tofu_tf.InfeasibleBudgetError, tofu_tf.UnsupportedOpError, ValueError: As
+            ``plan_graph`` raises them; ValueError also for a ``batch_size`` that is not a
+            positive int, or not the one the model's ``Input`` fixes.
+
+    Example:
+        >>> import tf_keras as keras
+        >>> import tofu_tf
+        >>> model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
+        ...                           keras.layers.Dense(10)])
+        >>> plan = tofu_tf.plan_model(model, num_devices=8, batch_size=32)
+        >>> plan.num_devices
+        8
+        >>> print(plan.summary())  # doctest: +ELLIPSIS
+        Plan (tofu, objective time) on mesh ...
+    """
     from tofu_tf.tf.capture import capture_training_step  # lazy: the planner core is TF-free
     graph = capture_training_step(model, batch_size=batch_size, loss=loss, optimizer=optimizer)
     return plan_graph(graph, num_devices=num_devices, memory_budget_bytes=memory_budget_bytes,

@@ -57,8 +57,33 @@ class CoverageReport:
 
 
 def coverage(graph: ir.Graph, registry: Registry | None = None) -> CoverageReport:
-    """Look up every op of ``graph`` (loop bodies included) in ``registry``
-    (the default one if None) and report the ones without a description."""
+    """Which ops of ``graph`` tofu_tf can partition, and which it must run replicated.
+
+    Every op (loop bodies included) is looked up in ``registry``. An op type without a
+    description, and an op its description cannot be built for (an unknown shape, an
+    attribute the builder refuses), are planned replicated; the report names them with
+    their counts, so that a model which shards less than expected can be explained, and
+    fixed with ``register_op``. Each such op type is also logged once as a warning.
+
+    Args:
+        graph: A captured training step (``tofu_tf.capture_training_step``).
+        registry: The registry to look the ops up in; None is the default one (the builtin
+            ops and those added with ``register_op``).
+
+    Returns:
+        A ``CoverageReport``: op counts by type (``counts``), the ops planned replicated by
+        type (``unsupported``) and why (``problems``). ``complete`` is True when every op
+        has a description; ``str(report)`` is a table a person reads.
+
+    Example:
+        >>> import tofu_tf
+        >>> from tofu_tf import models
+        >>> graph = tofu_tf.capture_training_step(models.mlp(), batch_size=32, optimizer="adam",
+        ...                                       loss="sparse_categorical_crossentropy")
+        >>> report = tofu_tf.coverage(graph)
+        >>> report.complete, report.described == report.total
+        (True, True)
+    """
     registry = registry if registry is not None else default_registry()
     counts: Counter = Counter()
     unsupported: Counter = Counter()

@@ -223,20 +223,51 @@ def default_registry() -> Registry:
 
 def register_op(op_type: str, description=None, *, family: Family = Family.CUSTOM, summary: str = "",
                 replace: bool = False, registry: Registry | None = None):
-    """Describe a custom op type so tofu_tf can partition it.
+    """Describe a custom op type, so that tofu_tf can partition it instead of replicating it.
 
-    With a program::
+    An op type without a description runs whole on every device (``coverage`` lists such
+    ops). A description says what the op computes, as a program of Tofu's description
+    language: a function of the op's inputs that returns a function of the output's indices
+    (``Sum``, ``Max``, ... reduce over an index of their own). Every way to split the op
+    over devices is derived from it; nothing is tabulated by hand.
 
-        tofu_tf.register_op("MyScaledMatMul",
-                            lambda a, b, s: lambda i, j: Sum(lambda k: a[i, k] * b[k, j]) * s[()])
+    A description that does not fit an op (another number of inputs, an output of unknown
+    shape) is not refused here: planning runs such an op replicated and logs a warning,
+    once per op type.
 
-    or as a decorator on a builder that reads the op's attributes::
+    Args:
+        op_type: The TF op type, as ``op.type`` names it in the step's graph.
+        description: A program used for every op of the type (``lambda a, b: lambda i, j:
+            ...``, or a ``Program``). Without it, ``register_op`` is a decorator for a
+            builder: a function of the op (an ``OpView``, with its attributes and shapes)
+            that returns the program for that op.
+        family: The kind of computation (``Family``), which reports and docs group by.
+        summary: The one-line form a person reads (``explain``, docs); by default a
+            builder's first docstring line.
+        replace: Whether to replace an existing description of ``op_type``, builtin ones
+            included.
+        registry: The registry to add to; None is the default registry, the one planning
+            uses.
 
-        @tofu_tf.register_op("MyTransposedMatMul")
-        def _(op):
-            if op.attr("transpose"):
-                return lambda a, b: lambda i, j: Sum(lambda k: a[k, i] * b[k, j])
-            return lambda a, b: lambda i, j: Sum(lambda k: a[i, k] * b[k, j])
+    Returns:
+        ``description`` itself; without one, the decorator, which returns the builder itself.
+
+    Raises:
+        tofu_tf.semantics.DuplicateOpError: ``op_type`` is already registered and ``replace``
+            is False.
+        TypeError: ``description`` is neither a callable nor a ``Program``.
+        ValueError: ``op_type`` is not a non-empty string.
+
+    Example:
+        >>> import tofu_tf
+        >>> from tofu_tf.semantics import Sum
+        >>> _ = tofu_tf.register_op(   # the scale inside the sum: k may be split, with a reduce
+        ...     "MyScaledMatMul", lambda a, b, s: lambda i, j: Sum(lambda k: a[i, k] * b[k, j] * s[()]))
+        >>> @tofu_tf.register_op("MyTransposedMatMul")
+        ... def _(op):
+        ...     if op.attr("transpose"):
+        ...         return lambda a, b: lambda i, j: Sum(lambda k: a[k, i] * b[k, j])
+        ...     return lambda a, b: lambda i, j: Sum(lambda k: a[i, k] * b[k, j])
     """
     target = registry if registry is not None else default_registry()
     return target.register(op_type, description, family=family, summary=summary, replace=replace)

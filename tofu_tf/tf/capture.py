@@ -78,14 +78,47 @@ class _TraceResult:
 
 def capture_training_step(model, *, batch_size: int, loss, optimizer, labels: tf.TensorSpec | None = None,
                           features=None, trace_each_update: bool = False) -> ir.Graph:
-    """Trace ``model``'s training step for ``batch_size`` and return its IR.
+    """Trace ``model``'s training step at ``batch_size`` into tofu_tf's IR, without running it.
 
-    ``loss`` and ``optimizer`` take what ``model.compile`` takes (names or
-    objects). ``labels`` overrides the inferred label spec; ``features`` (specs of a
-    batch's inputs) give a subclassed model's inputs. The model must be built; the
-    user's optimizer is left untouched. ``trace_each_update`` traces the optimizer's
-    update for every weight instead of once per weight shape (slower; the IR is the
-    same up to op names).
+    The planner works from what one step computes: the forward pass, the loss, the
+    gradients and the optimizer's update, with the static shape of every tensor and the
+    Keras layer of every op. This traces that step as ``fit`` would run it. The optimizer
+    traced is a fresh one of the same configuration, whose slots are handles that allocate
+    nothing, so the model's weights and the user's optimizer are left as they are.
+
+    Args:
+        model: A built Keras model, tf-keras or Keras 3.
+        batch_size: The global batch size of one step; every shape is traced at it.
+        loss: What ``model.compile`` takes as its loss: a name or a loss object.
+        optimizer: What ``model.compile`` takes as its optimizer: a name or an optimizer.
+        labels: A ``tf.TensorSpec`` of one batch's labels, to replace the inferred one
+            (class ids for a loss named sparse, else the model output's shape).
+        features: ``tf.TensorSpec``s (or tensors) of one batch's inputs, in the structure the
+            model is called with: needed for a subclassed model without a build shape, and
+            for declared inputs that leave a dimension open (``Input(shape=(None,))``).
+        trace_each_update: Whether to trace the optimizer's update for every weight instead
+            of once per weight shape: slower, and the IR is the same up to op names.
+
+    Returns:
+        The step's ``tofu_tf.ir.Graph``: its ops, its tensors with their roles and shapes,
+        and its variables by Keras path (optimizer slots included), for ``plan_graph``,
+        ``coverage`` and ``tofu_tf.pipeline``.
+
+    Raises:
+        ValueError: ``batch_size`` is not a positive int or differs from the one the model's
+            ``Input`` fixes, or a model input is a scalar.
+        tofu_tf.tf.keras_adapter.UnsupportedModelError: ``model`` is not a Keras model, is
+            not built, or its step cannot be traced.
+        tofu_tf.DynamicShapeError: A tensor of the step has a dimension unknown at trace
+            time; give the model a fixed input shape, or pass ``features``.
+
+    Example:
+        >>> import tofu_tf
+        >>> from tofu_tf import models
+        >>> graph = tofu_tf.capture_training_step(models.mlp(), batch_size=32, optimizer="adam",
+        ...                                       loss="sparse_categorical_crossentropy")
+        >>> graph.batch_size, graph.framework
+        (32, 'tf_keras')
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
