@@ -49,6 +49,7 @@ from tensorflow.python.distribute.experimental import dtensor_util
 
 from strategies import batches as batches_lib
 from strategies import keras_hooks
+from strategies import layout_maps
 from strategies import step_functions
 from tofu_tf import plan as plan_lib
 from tofu_tf import plan_check
@@ -88,17 +89,32 @@ class TofuStrategy(distribute_lib.Strategy):
         for ``$TOFU_PLAN_CACHE`` or the user's cache directory, a directory, or False for no
         cache. A run that plans the same captured step with the same options takes its plan
         from there instead of searching again, and logs so.
+      layout_map: an expert's layouts to keep: a Keras 3 ``keras.distribution.LayoutMap``
+        (keras-hub's ``Backbone.get_layout_map(mesh)``) or a tf-keras
+        ``tf_keras.dtensor.experimental.LayoutMap``. Its mesh is the plan's mesh; every
+        weight a key matches (its optimizer slots with it) gets the key's layout, and the
+        planner decides the rest. A key matching no weight, or a layout the weight or
+        DTensor cannot take, is refused at planning (``tofu_tf.search.pins.PinError``).
     """
 
     def __init__(self, num_gpus: int = 8, *, memory_budget_bytes: int | None = None,
-                 mesh_shape=None, hardware=None, method: str = "tofu", plan=None, plan_cache=True):
+                 mesh_shape=None, hardware=None, method: str = "tofu", plan=None, plan_cache=True, layout_map=None):
         if plan is not None:
             plan = plan_lib.read_plan(plan)
             plan_check.check_plan(plan, num_gpus)   # before devices: a wrong plan costs nothing
+        layout_map = None if layout_map is None else layout_maps.read_layout_map(layout_map)
+        if layout_map is not None:
+            if mesh_shape is not None and dict(mesh_shape) != dict(layout_map.mesh_shape):
+                raise ValueError(f"mesh_shape {dict(mesh_shape)} differs from the layout map's mesh "
+                                 f"{dict(layout_map.mesh_shape)}: drop mesh_shape (the map's mesh is the plan's)")
+            if plan is not None or method not in ("tofu", "ilp"):
+                raise ValueError("layout_map= constrains the planner's search: use it with method='tofu' or 'ilp' "
+                                 "and without plan=")
+            mesh_shape = dict(layout_map.mesh_shape)
         device_set = devices_lib.provide_devices(num_gpus)
         options = _PlanOptions(memory_budget_bytes=memory_budget_bytes, mesh_shape=mesh_shape,
                                hardware=_hardware_for(hardware, device_set),
-                               method=method, plan_cache=plan_cache)
+                               method=method, plan_cache=plan_cache, layout_map=layout_map)
         super().__init__(_TofuExtended(self, device_set, options, plan))
 
     @property
@@ -215,6 +231,7 @@ class _PlanOptions:
     hardware: object
     method: str
     plan_cache: object = True     # True: the default directory; a directory; False: none
+    layout_map: "layout_maps.LayoutMapSpec | None" = None
 
 
 class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
@@ -320,6 +337,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         options = dict(num_devices=self._devices.count, method=self._options.method,
                        memory_budget_bytes=self._options.memory_budget_bytes,
                        mesh_shape=self._options.mesh_shape, hardware=self._options.hardware)
+        if self._options.layout_map is not None:
+            options["pinned_layouts"] = self._options.layout_map.pinned_layouts([v.path for v in graph.weights()])
         directory = self._options.plan_cache
         if directory is False or (directory is True and plan_cache.cache_disabled()):
             return plan_graph(graph, **options)

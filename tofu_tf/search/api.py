@@ -26,7 +26,7 @@ from tofu_tf.cost.memory import Liveness
 from tofu_tf.errors import InfeasibleBudgetError
 from tofu_tf.mesh import MeshSpec, ordered_factorizations
 from tofu_tf.plan import CommCost, Method, Objective, Plan, format_bytes
-from tofu_tf.search import baselines, tofu_dp
+from tofu_tf.search import baselines, pins, tofu_dp
 from tofu_tf.search.coarsen import GraphIndex, StrategyProvider
 from tofu_tf.search.problem import TIE_PENALTY, AxisDecision, AxisProblem, ProblemBuilder
 from tofu_tf.search.progress import SearchProgress
@@ -57,7 +57,8 @@ def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | 
                method: str | Method = "tofu", hardware: HardwareProfile | str = H100_NVLINK,
                mesh_shape=None, objective: str | Objective = Objective.TIME,
                strategy_provider: StrategyProvider | None = None, time_limit_s: float = 60.0,
-               max_states: int = tofu_dp.DEFAULT_MAX_STATES, target: str | Target = Target.DTENSOR) -> Plan:
+               max_states: int = tofu_dp.DEFAULT_MAX_STATES, target: str | Target = Target.DTENSOR,
+               pinned_layouts: Mapping[str, tuple] | None = None) -> Plan:
     """Choose a mesh shape and a layout for every tensor of a captured training step.
 
     Every ordered factorization of ``num_devices`` into mesh axes is tried (or only
@@ -93,6 +94,12 @@ def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | 
         target: "dtensor" keeps only the layouts TF's DTensor can run
             (``tofu_tf.search.targets``); "ideal" searches Tofu's whole space, for comparison.
 
+        pinned_layouts: Layouts fixed before the search, variable path -> per dim a mesh axis
+            name or None (a layout map's entries, resolved to paths): each such weight, its
+            optimizer slots with it, gets exactly that layout and the search decides the rest.
+            Needs ``mesh_shape`` as a dict naming the axes the layouts use
+            (``tofu_tf.search.pins``; ``PinError`` names every entry that cannot be kept).
+
     Returns:
         A ``tofu_tf.Plan``: the mesh axes, a layout for every variable, input and tensor, and
         the modeled cost (communication and compute per step, peak memory per device).
@@ -122,7 +129,7 @@ def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | 
     """
     with _collector_paused():
         return _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_shape, objective,
-                           strategy_provider, time_limit_s, max_states, target)
+                           strategy_provider, time_limit_s, max_states, target, pinned_layouts)
 
 
 @contextlib.contextmanager
@@ -143,7 +150,7 @@ def _collector_paused():
 
 
 def _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_shape, objective,
-                strategy_provider, time_limit_s, max_states, target) -> Plan:
+                strategy_provider, time_limit_s, max_states, target, pinned_layouts=None) -> Plan:
     start = time.perf_counter()
     method, objective, hardware = Method(method), Objective(objective), profile(hardware)
     target = as_target(target)
@@ -156,16 +163,28 @@ def _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_
                        unsplit_dims=unsplit_variable_dims(graph, target),
                        work={} if objective is Objective.COMM else work, liveness=liveness)
     meshes, restrict = _meshes_and_restriction(method, index, num_devices, mesh_shape)
+    if pinned_layouts:
+        if not isinstance(mesh_shape, Mapping) or method not in (Method.TOFU, Method.ILP):
+            raise ValueError("pinned_layouts needs method 'tofu' or 'ilp' and mesh_shape as a dict naming the mesh "
+                             "axes its layouts use, e.g. {'batch': 2, 'model': 4}")
+        pins.check_pins(graph, pinned_layouts, meshes[0], replicated_only=pinned_variables(graph, target),
+                        unsplit_dims=unsplit_variable_dims(graph, target))
     solver = _solver(method, max_states, time_limit_s)
     first_pass = len({mesh.sizes[: k + 1] for mesh in meshes for k in range(len(mesh.axes))})
     roles = (AxisRole.ANY,) if restrict is not None else axis_roles(target)   # a baseline fixes its own pattern
-    search = _Search(index, liveness, hardware, solver, restrict, work, SearchProgress(first_pass), roles)
+    search = _Search(index, liveness, hardware, solver, restrict, work, SearchProgress(first_pass), roles,
+                     pinned=pinned_layouts or {})
     if method in (Method.DATA_PARALLEL, Method.MEGATRON):
         best = min((search.solve(m, 0.0) for m in meshes), key=lambda c: c.key(objective))  # fixed patterns
     else:
         best = search.best_under_budget(meshes, budget, objective)
-    return _to_plan(best, graph, method, objective, hardware, memory_budget_bytes,
+    plan = _to_plan(best, graph, method, objective, hardware, memory_budget_bytes,
                     time.perf_counter() - start, search, target, user_names=isinstance(mesh_shape, Mapping))
+    if pinned_layouts:
+        pins.check_kept(pinned_layouts, plan.variable_layouts)
+        plan = dataclasses.replace(plan, notes=(f"{len(pinned_layouts)} variable layouts fixed by the layout map "
+                                                f"(their optimizer slots follow)",) + plan.notes)
+    return plan
 
 
 def plan_model(model, *, num_devices: int, batch_size: int, loss="sparse_categorical_crossentropy",
@@ -315,8 +334,9 @@ class _Search:
 
     def __init__(self, index: GraphIndex, liveness: Liveness, hardware: HardwareProfile,
                  solver: _AxisSolver, restrict, work, progress: SearchProgress,
-                 roles: Sequence[AxisRole] = (AxisRole.ANY,)):
+                 roles: Sequence[AxisRole] = (AxisRole.ANY,), pinned: Mapping[str, tuple] | None = None):
         self.index, self.liveness, self.hardware, self.work = index, liveness, hardware, work
+        self.pinned = pinned or {}
         self.progress, self.roles = progress, tuple(roles)
         self.pricer = StepPricer(index.graph, liveness)
         self.solver, self.restrict = solver, restrict
@@ -347,8 +367,13 @@ class _Search:
         link = self.hardware.axis_link(mesh, k)
         started = time.perf_counter()
         problems = []
-        for role in self.roles:
-            builder = ProblemBuilder(self.index, prior, mesh.sizes[k], link, self.restrict, role)
+        roles = self.roles
+        if AxisRole.MODEL in roles and any(mesh.names[k] in layout for layout in self.pinned.values()):
+            roles = (AxisRole.MODEL,)   # it splits pinned weights, so (on DTensor) not the batch
+        for role in roles:
+            restrict = pins.both(self.restrict, pins.pin_restriction(self.index, self.pinned, mesh.names[k])
+                                 if self.pinned else None)
+            builder = ProblemBuilder(self.index, prior, mesh.sizes[k], link, restrict, role)
             if builder.can_build():
                 problems.append(builder.build())
         solutions = [self.solver.exact(problem, lam) for problem in problems]
