@@ -106,7 +106,8 @@ def main(argv):
             try:
                 plans, pinned, params = _row(family, n)
             except Exception as error:  # a family this keras-hub lacks, or a model tofu cannot capture
-                print(f"{family:<11}{n:>8}  failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+                lines = getattr(error, "problems", None) or str(error).splitlines()[:1]
+                print(f"{family:<11}{n:>8}  failed: {type(error).__name__}: {'; '.join(lines)[:400]}")
                 continue
             expert = plans["expert"][0]
             for method, (plan, seconds) in plans.items():
