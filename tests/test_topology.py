@@ -32,6 +32,7 @@ def gpt_graph():
                                  loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 
+@pytest.mark.slow      # captures a 2-layer GPT of width 1024
 @pytest.mark.parametrize("num_devices,devices_per_node", [(16, 8), (32, 8), (16, 4)])
 def test_model_splits_stay_inside_a_host_and_the_batch_spans_hosts(gpt_graph, num_devices, devices_per_node):
     hardware = dataclasses.replace(H100_NVLINK, devices_per_node=devices_per_node)
