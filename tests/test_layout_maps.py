@@ -37,6 +37,9 @@ def test_pinned_layouts_are_kept_with_their_slots_and_the_rest_is_planned(gpt_gr
         assert plan.variable_layouts[f"Adam/m/{path}"] == plan.variable_layouts[f"Adam/v/{path}"] == layout
     assert list(plan.mesh_shape) == ["batch", "model"]
     assert "3 variable layouts fixed by the layout map" in plan.summary()
+    marked = [line for line in plan.summary(top=200).splitlines() if line.endswith("(layout map)")]
+    assert len(marked) == 9 and all(any(path in line for path in pins) for line in marked), marked
+    assert type(plan).from_json(plan.to_json()).pinned_variables == tuple(pins)
 
 
 @pytest.mark.parametrize("pins,message", [

@@ -87,6 +87,8 @@ class Plan:
             divides a mesh axis.
         compute_seconds: Modeled compute seconds per step.
         target: "dtensor" (layouts DTensor runs) or "ideal" (Tofu's whole space).
+        pinned_variables: Weight paths whose layouts a layout map fixed (their optimizer slots
+            follow); the summary marks them.
 
     Example:
         >>> import tofu_tf
@@ -116,11 +118,16 @@ class Plan:
     notes: tuple[str, ...] = ()
     compute_seconds: float = 0.0
     target: str = "dtensor"
+    pinned_variables: tuple[str, ...] = ()
 
     # -- what other components read ----------------------------------------
     @property
     def mesh_shape(self) -> dict[str, int]:
         return dict(self.mesh_axes)
+
+    def _pinned(self, path: str) -> bool:
+        """Whether a layout map fixed ``path``'s layout (a weight, or a slot named after it)."""
+        return any(path == weight or path.endswith("/" + weight) for weight in self.pinned_variables)
 
     @property
     def num_devices(self) -> int:
@@ -190,7 +197,8 @@ class Plan:
         variables = list(self.variable_layouts.items())[:top]
         width = _name_width(["variable"] + [path for path, _ in variables])
         lines.append(_row("variable", width, "layout"))
-        lines.extend(_row(path, width, _layout_text(layout)) for path, layout in variables)
+        lines.extend(_row(path, width, _layout_text(layout) + ("  (layout map)" if self._pinned(path) else ""))
+                     for path, layout in variables)
         if len(self.variable_layouts) > top:
             lines.append(f"  ... and {len(self.variable_layouts) - top} more variables")
         lines.extend(f"  note: {note}" for note in self.notes[:top])
@@ -261,6 +269,7 @@ class Plan:
             "memory_budget_bytes": self.memory_budget_bytes,
             "proved_optimal": self.proved_optimal,
             "notes": list(self.notes),
+            "pinned_variables": list(self.pinned_variables),
             "compute_seconds": self.compute_seconds,
             "target": self.target,
         }
@@ -420,6 +429,7 @@ def _read_fields(data: Mapping) -> tuple[dict, list[str]]:
         "comm_by_collective": _costs, "comm_by_layer": _costs, "memory": _memory,
         "search_seconds": _number, "compute_seconds": _number, "hardware": _text, "target": _text,
         "memory_budget_bytes": _optional(_integer), "proved_optimal": _optional(_boolean), "notes": _notes,
+        "pinned_variables": _notes,
     }
     for name, read in readers.items():
         if name not in data:

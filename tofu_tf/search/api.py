@@ -182,8 +182,9 @@ def _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_
                     time.perf_counter() - start, search, target, user_names=isinstance(mesh_shape, Mapping))
     if pinned_layouts:
         pins.check_kept(pinned_layouts, plan.variable_layouts)
-        plan = dataclasses.replace(plan, notes=(f"{len(pinned_layouts)} variable layouts fixed by the layout map "
-                                                f"(their optimizer slots follow)",) + plan.notes)
+        plan = dataclasses.replace(plan, pinned_variables=tuple(pinned_layouts),
+                                   notes=(f"{len(pinned_layouts)} variable layouts fixed by the layout map "
+                                          f"(their optimizer slots follow)",) + plan.notes)
     return plan
 
 
