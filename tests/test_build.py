@@ -37,3 +37,22 @@ def test_every_test_file_is_a_py_test():
     for path in glob.glob(os.path.join(ROOT, "tests", "test_*.py")):
         name = os.path.splitext(os.path.basename(path))[0]
         assert re.search(r'py_test\(\s*name = "%s"' % name, text), f"{name} has no py_test target"
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_every_pip_requirement_build_names_is_pinned_in_the_lock_module_bazel_reads():
+    """BUILD's requirement("x") labels resolve through MODULE.bazel's pip hub, which installs
+    requirements_lock.txt: a name missing there would fail only when Bazel runs."""
+    with open(os.path.join(ROOT, "BUILD"), encoding="utf-8") as handle:
+        build = handle.read()
+    with open(os.path.join(ROOT, "MODULE.bazel"), encoding="utf-8") as handle:
+        module = handle.read()
+    with open(os.path.join(ROOT, "requirements_lock.txt"), encoding="utf-8") as handle:
+        pinned = {_canonical(line.split("==")[0]) for line in handle if "==" in line and not line.startswith("#")}
+    hub = re.search(r'load\("@(\w+)//:requirements.bzl"', build).group(1)
+    assert f'hub_name = "{hub}"' in module and 'requirements_lock = "//:requirements_lock.txt"' in module
+    missing = sorted({_canonical(n) for n in re.findall(r'requirement\("([^"]+)"\)', build)} - pinned)
+    assert not missing, f"pin these in requirements_lock.txt: {missing}"
