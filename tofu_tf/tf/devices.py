@@ -99,7 +99,8 @@ def join_cluster(cluster: cluster_lib.Cluster, device_type: str, num_devices: in
     DTensor must create the runtime itself (``initialize_accelerator_system``), with
     this process's virtual CPUs when there are no GPUs: if anything started TF
     first, say so. Joining waits for every client (the coordination service's
-    registration); a client that never comes makes it fail rather than wait forever.
+    registration); where one never comes, ``_JoinWatchdog`` ends this process after
+    ``join_timeout_s()`` rather than let it wait forever.
     """
     from tensorflow.experimental import dtensor
     logging.info("TofuStrategy: client %d of %d (%s) joining the cluster %s with %d %s device(s)",
