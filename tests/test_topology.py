@@ -45,3 +45,20 @@ def test_model_splits_stay_inside_a_host_and_the_batch_spans_hosts(gpt_graph, nu
     assert splitting <= inside, (plan.mesh_shape, inside, splitting)    # ... inside a host
     batch_axes = {layout[0] for layout in plan.input_layouts.values() if layout and layout[0]}
     assert batch_axes and batch_axes - inside, (plan.mesh_shape, plan.input_layouts)   # the batch across hosts
+
+
+@pytest.fixture(scope="module")
+def small_gpt_graph():
+    model = models.gpt(num_layers=2, d_model=256, num_heads=8, seq_len=64, vocab_size=1024)
+    return capture_training_step(model, batch_size=512, optimizer=tf_keras.optimizers.Adam(),
+                                 loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+@pytest.mark.parametrize("mesh_shape", [(64, 8, 8), (2, 2048), (4096,), (16, 16, 16), (8, 8, 8, 8)])
+def test_plans_on_4096_devices_are_legal(small_gpt_graph, mesh_shape):
+    """The search on 4096 devices (one mesh each; searching every mesh of 4096 takes minutes, a
+    bench's job) gives plans the independent legality checker accepts: every split divides, no
+    mesh axis splits two dims of a tensor, slots follow their weights, each read its variable."""
+    plan = plan_graph(small_gpt_graph, num_devices=4096, mesh_shape=mesh_shape)
+    check_plan(small_gpt_graph, plan)
+    assert list(plan.mesh_shape.values()) == list(mesh_shape)
