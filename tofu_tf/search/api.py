@@ -93,7 +93,6 @@ def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | 
             exact elimination, used when HiGHS proves no optimum.
         target: "dtensor" keeps only the layouts TF's DTensor can run
             (``tofu_tf.search.targets``); "ideal" searches Tofu's whole space, for comparison.
-
         pinned_layouts: Layouts fixed before the search, variable path -> per dim a mesh axis
             name or None (a layout map's entries, resolved to paths): each such weight, its
             optimizer slots with it, gets exactly that layout and the search decides the rest.
@@ -210,7 +209,7 @@ def plan_model(model, *, num_devices: int, batch_size: int, loss="sparse_categor
         method: "tofu", "ilp", "data_parallel" or "megatron" (see ``plan_graph``).
         **kwargs: The other options of ``plan_graph``: ``hardware``, ``mesh_shape``,
             ``objective``, ``strategy_provider``, ``time_limit_s``, ``max_states``,
-            ``target``.
+            ``target``, ``pinned_layouts``.
 
     Returns:
         A ``tofu_tf.Plan``, to print (``summary``), save (``to_json``) or hand to
@@ -251,20 +250,18 @@ def _default_provider() -> StrategyProvider:
 
 
 def _meshes_and_restriction(method: Method, index: GraphIndex, n: int, mesh_shape):
-    if method in (Method.DATA_PARALLEL, Method.MEGATRON) and mesh_shape is not None \
-            and MeshSpec.from_user_input(mesh_shape).sizes != (n,):
+    given = None if mesh_shape is None else MeshSpec.from_user_input(mesh_shape)
+    if method in (Method.DATA_PARALLEL, Method.MEGATRON) and given is not None and given.sizes != (n,):
         raise ValueError(f"method={method.value!r} plans its own one-axis mesh of {n} devices, and mesh_shape "
-                         f"{MeshSpec.from_user_input(mesh_shape).text()} asks for another: drop mesh_shape, or "
-                         "plan with method='tofu' on that mesh.")
+                         f"{given.text()} asks for another: drop mesh_shape, or plan with method='tofu' on that mesh.")
     if method is Method.DATA_PARALLEL:
         return [MeshSpec((("batch", n),))], baselines.data_parallel_restriction(index, n)
     if method is Method.MEGATRON:
         return [MeshSpec((("model", n),))], baselines.megatron_restriction(index, n)
-    if mesh_shape is not None:
-        mesh = MeshSpec.from_user_input(mesh_shape)
-        if mesh.num_devices != n:
-            raise ValueError(f"mesh_shape {mesh.text()} has {mesh.num_devices} devices, not num_devices={n}")
-        return [mesh], None
+    if given is not None:
+        if given.num_devices != n:
+            raise ValueError(f"mesh_shape {given.text()} has {given.num_devices} devices, not num_devices={n}")
+        return [given], None
     return [MeshSpec(tuple((f"a{i}", s) for i, s in enumerate(sizes))) for sizes in ordered_factorizations(n)], None
 
 
@@ -368,12 +365,12 @@ class _Search:
         link = self.hardware.axis_link(mesh, k)
         started = time.perf_counter()
         problems = []
-        roles = self.roles
-        if AxisRole.MODEL in roles and any(mesh.names[k] in layout for layout in self.pinned.values()):
-            roles = (AxisRole.MODEL,)   # it splits pinned weights, so (on DTensor) not the batch
+        roles, restrict = self.roles, self.restrict
+        if self.pinned:
+            restrict = pins.both(restrict, pins.pin_restriction(self.index, self.pinned, mesh.names[k]))
+            if AxisRole.MODEL in roles and any(mesh.names[k] in layout for layout in self.pinned.values()):
+                roles = (AxisRole.MODEL,)   # it splits pinned weights, so (on DTensor) not the batch
         for role in roles:
-            restrict = pins.both(self.restrict, pins.pin_restriction(self.index, self.pinned, mesh.names[k])
-                                 if self.pinned else None)
             builder = ProblemBuilder(self.index, prior, mesh.sizes[k], link, restrict, role)
             if builder.can_build():
                 problems.append(builder.build())
