@@ -9,8 +9,10 @@ runs) and device count, prints one row per method:
 * ``ilp`` on the mesh of the last tofu row, same budget (proved-optimal flag shown),
 
 then one line per target (tofu no worse than the baselines, search time, within 2%
-of a proved ILP optimum, 50x faster than the ILP at equal cost on GPT-12) saying
-met or not, with the numbers. Plans use ``--target`` (default "ideal": Tofu's full
+of a proved ILP optimum, search time against the device count: GPT-12 on 1024
+devices at most 2.5x its 64-device time, GPT-48 on 4096 at most 3x, the LSTM on
+64 at most 2x its 8-device time) saying met or not, with the numbers, and the ILP
+race's ratios (the retired "50x faster than the ILP" target) for information. Plans use ``--target`` (default "ideal": Tofu's full
 space; "dtensor": what DTensor lowers). The GPT-48 search times are the median of
 ``--repeat`` runs. The ILP race runs HiGHS on the same axis problem as tofu's DP
 (the mesh tofu picked, one axis) until its incumbent matches the DP's objective
@@ -18,7 +20,7 @@ or ``--race-limit`` seconds pass; the ratio is the ILP's time to equal cost (its
 setup included) over tofu's whole planning time on that mesh, measured as a first
 call in fresh processes (median of 3; a lower bound when the limit is hit).
 
-Usage: python bench/planner.py [--models mlp,gpt12] [--devices 8,64] [--cache /tmp/graphs] [--no-ilp]
+Usage: python bench/planner.py [--models mlp,gpt12] [--devices 8,64,256,1024,4096] [--cache /tmp/graphs] [--no-ilp]
 """
 
 from __future__ import annotations
@@ -207,14 +209,29 @@ def race_line(model, n, race):
           f"({bound}{solver:.0f}x); setup {setup:.2f} s; tofu end to end {tofu_s:.3f} s (cold, median of {runs}) "
           f"({bound}{end_to_end:.1f}x; ceiling with only the shared setup left: {ceiling:.1f}x, 50x needs that "
           f"setup <= {ilp_s / 49:.3f} s)")
-    verdict(f"{model} N={n} mesh {mesh}: ILP at equal cost {bound}{end_to_end:.1f}x tofu's planning time "
-            f"(setup {setup:.2f} s + ILP {ilp_s:.1f} s vs {tofu_s:.3f} s cold; solver alone {bound}{solver:.0f}x: "
-            f"ILP {ilp_s:.1f} s vs DP {dp_s:.3f} s; ceiling {ceiling:.1f}x while the shared setup takes "
-            f"{setup:.2f} s) (target >= 50x end to end)", end_to_end >= 50)
+    # The old target "50x faster than the ILP end to end" is retired (the shared setup bounds the
+    # ratio, see ``ceiling``); both ratios are still printed.
+    VERDICTS.append(f"INFO     {model} N={n} mesh {mesh}: ILP at equal cost {bound}{end_to_end:.1f}x tofu's "
+                    f"planning time (setup {setup:.2f} s + ILP {ilp_s:.1f} s vs {tofu_s:.3f} s cold; solver alone "
+                    f"{bound}{solver:.0f}x: ILP {ilp_s:.1f} s vs DP {dp_s:.3f} s; ceiling {ceiling:.1f}x while the "
+                    f"shared setup takes {setup:.2f} s)")
 
 
 def verdict(text: str, met: bool) -> None:
     VERDICTS.append(f"{'MET    ' if met else 'NOT MET'}  {text}")
+
+
+# Planning time against the device count: (model, devices, reference devices, at most this ratio).
+SCALING = (("gpt12", 1024, 64, 2.5), ("gpt48", 4096, 64, 3.0), ("lstm", 64, 8, 2.0))
+
+
+def scaling_verdicts(seconds: dict[tuple[str, int], float]) -> None:
+    """The scale targets, from the tofu rows' search seconds of one run."""
+    for key, n, reference, limit in SCALING:
+        if (key, n) in seconds and (key, reference) in seconds:
+            ratio = seconds[key, n] / seconds[key, reference]
+            verdict(f"{MODELS[key][0]}: search on {n} devices {seconds[key, n]:.2f} s = {ratio:.2f}x its "
+                    f"{reference}-device {seconds[key, reference]:.2f} s (target <= {limit}x)", ratio <= limit)
 
 
 def main() -> None:
@@ -231,6 +248,7 @@ def main() -> None:
     args = parser.parse_args()
     TARGET["value"] = args.target
     started = time.perf_counter()
+    searched: dict[tuple[str, int], float] = {}
     print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores, shared)")
     print(f"{'model':<16}{'N':>4}  {'method':<10}{'mesh':>9}{'comm MiB':>11}{'comm ms':>10}{'comp ms':>10}"
           f"{'step ms':>10}{'peak GiB':>10}{'search s':>9}")
@@ -245,6 +263,8 @@ def main() -> None:
                 row(name, n, method, plan, info)
             tofu, info, median, times = run_median(graph, n, args.repeat if key == "gpt48" else 1)
             row(name, n, "tofu", tofu, info, median)
+            if tofu is not None:
+                searched[key, n] = median
             if tofu is not None:
                 for method, base in baselines.items():
                     if base is not None:
@@ -284,6 +304,7 @@ def main() -> None:
                     verdict(f"{name} N={n} mesh {mesh}: tofu {same.step_seconds * 1e3:.3f} ms vs ILP optimum "
                             f"{plan.step_seconds * 1e3:.3f} ms ({gap:+.2%}, target <= +2%)", gap <= 0.02)
             sys.stdout.flush()
+    scaling_verdicts(searched)
     print(f"\ntargets ({TARGET['value']} space; bench ran {time.perf_counter() - started:.0f} s; "
           f"load average at end {os.getloadavg()[0]:.2f}):")
     for line in VERDICTS:

@@ -2,7 +2,11 @@
 
 import pytest
 
-from tofu_tf.mesh import LayoutError, MeshSpec, check_layout, ordered_factorizations, shard_shape
+import math
+
+from tofu_tf.cost.hardware import H100_NVLINK
+from tofu_tf.mesh import (LayoutError, MeshSpec, check_layout, host_aligned_factorizations, ordered_factorizations,
+                          shard_shape)
 
 
 def test_ordered_factorizations_cover_every_mesh_shape():
@@ -10,6 +14,39 @@ def test_ordered_factorizations_cover_every_mesh_shape():
     assert len(ordered_factorizations(64)) == 32          # compositions of 6
     assert ordered_factorizations(1) == [()]
     assert (3, 2) in ordered_factorizations(6) and (6,) in ordered_factorizations(6)
+
+
+def _prefixes(shapes):
+    return {shape[: k + 1] for shape in shapes for k in range(len(shape))}
+
+
+@pytest.mark.parametrize("n", [16, 64, 256, 1024, 4096])
+def test_meshes_beyond_one_host_follow_the_hosts(n):
+    """Each axis either stays inside a host of 8 or spans whole hosts (so the profile prices it
+    on one link), at most two cross hosts, at most three in all; the one flat axis is there."""
+    shapes = host_aligned_factorizations(n, 8)
+    assert (n,) in shapes and len(set(shapes)) == len(shapes)
+    for shape in shapes:
+        assert math.prod(shape) == n and all(size > 1 for size in shape)
+        mesh = MeshSpec(tuple((f"a{k}", size) for k, size in enumerate(shape)))
+        inner = math.prod(shape[len(shape) - sum(1 for k in range(len(shape))
+                                                 if H100_NVLINK.axis_link(mesh, k) is H100_NVLINK.intra_node):])
+        assert shape == (n,) or inner == 8, shape     # the host's axes are exactly the trailing ones
+        assert len(shape) <= 3
+        assert sum(1 for k in range(len(shape)) if H100_NVLINK.axis_link(mesh, k) is H100_NVLINK.inter_node) <= 2
+
+
+def test_the_meshes_searched_grow_with_the_log_of_the_device_count():
+    """The search solves one axis problem per distinct mesh prefix: every ordered factorization
+    has n - 1 of them; the host-aligned ones about a fixed number per doubling of the hosts."""
+    counts = {n: len(_prefixes(host_aligned_factorizations(n, 8))) for n in (64, 1024, 4096)}
+    assert len(_prefixes(ordered_factorizations(1024))) == 1023
+    assert counts[1024] <= 2 * counts[64] and counts[4096] <= 2.5 * counts[64], counts
+
+
+def test_within_one_host_every_mesh_shape_is_searched():
+    assert host_aligned_factorizations(8, 8) == ordered_factorizations(8)
+    assert host_aligned_factorizations(12, 8) == ordered_factorizations(12)     # hosts do not divide 12
 
 
 def test_mesh_spec_normalizes_user_input():

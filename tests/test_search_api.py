@@ -6,6 +6,7 @@ from tests.search_helpers import mlp_graph, stub_strategies
 from tofu_tf import ir
 from tofu_tf.cost.hardware import H100_NVLINK
 from tofu_tf.cost.memory import alias_map
+from tofu_tf.mesh import host_aligned_factorizations
 from tofu_tf.plan import Method, Plan
 from tofu_tf.search import InfeasibleBudgetError, plan_graph
 from tofu_tf.search.legality import check_plan
@@ -219,3 +220,26 @@ def test_a_baseline_refuses_a_mesh_it_would_ignore(method):
     with pytest.raises(ValueError, match=rf"method='{method}' plans its own one-axis mesh of 4 devices.*\(a=2, b=2\)"):
         _plan(mlp_graph(), method, mesh_shape={"a": 2, "b": 2})
     assert list(_plan(mlp_graph(), method, mesh_shape=(4,)).mesh_shape.values()) == [4]
+
+
+def test_beyond_one_host_the_search_keeps_to_meshes_that_follow_the_hosts():
+    plan = _plan(mlp_graph(batch=64, widths=(64, 128, 128, 64)), "tofu", n=64)
+    assert tuple(plan.mesh_shape.values()) in host_aligned_factorizations(64, H100_NVLINK.devices_per_node)
+    assert any("searched 6 of the 32 mesh shapes of 64 devices" in note for note in plan.notes), plan.notes
+
+
+def test_where_no_mesh_that_follows_the_hosts_fits_every_mesh_is_searched(caplog):
+    """36-wide kernels on 16 devices, 8 per host: the host-aligned meshes split a kernel at most
+    8 ways (no axis of 8 or 16 divides 36); 4 x 4 splits it 16 ways, under a budget only it meets."""
+    graph = mlp_graph(batch=12, widths=(36, 36, 36, 36))
+    aligned = min(_plan(graph, "tofu", n=16, mesh_shape=shape, objective="memory").peak_memory_bytes
+                  for shape in host_aligned_factorizations(16, 8))
+    square = _plan(graph, "tofu", n=16, mesh_shape=(4, 4), objective="memory").peak_memory_bytes
+    assert square < aligned
+    budget = (square + aligned) // 2
+    with caplog.at_level("INFO"):
+        plan = _plan(graph, "tofu", n=16, memory_budget_bytes=budget)
+    assert plan.peak_memory_bytes <= budget
+    assert tuple(plan.mesh_shape.values()) not in host_aligned_factorizations(16, 8)
+    assert "searching the other" in caplog.text
+    assert not any("searched" in note for note in plan.notes)     # every mesh was searched in the end

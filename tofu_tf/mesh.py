@@ -8,9 +8,10 @@ each mesh axis at most once per tensor, even division -- so every layer above
 can build layouts without re-checking them. It must not import TensorFlow:
 lowering a spec to a real ``dtensor.Mesh`` is ``tofu_tf.tf``'s job.
 
-Mesh shapes are searched over every ordered factorization of the device count
-(XLA auto-sharding's ``try_multiple_mesh_shapes``): DTensor cannot shard one
-dim over two axes, so "split dim 0 four ways" must be one axis of size 4.
+Mesh shapes are searched over ordered factorizations of the device count (XLA
+auto-sharding's ``try_multiple_mesh_shapes``): DTensor cannot shard one dim over
+two axes, so "split dim 0 four ways" must be one axis of size 4. Beyond one host
+the search keeps to meshes that follow the hosts (``host_aligned_factorizations``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,29 @@ def ordered_factorizations(n: int) -> list[tuple[int, ...]]:
     if n < 1:
         raise LayoutError(f"device count must be positive, got {n}")
     return list(_factorizations(n))
+
+
+def host_aligned_factorizations(n: int, devices_per_node: int, *, max_axes_across: int = 2,
+                                max_axes: int = 3) -> list[tuple[int, ...]]:
+    """The mesh shapes whose axes each stay inside a host or span whole hosts.
+
+    Every ordered factorization of ``n`` devices grows about linearly with ``n`` (512 of
+    1024), and the search solves one axis problem per distinct prefix of them. On ``n``
+    devices of ``devices_per_node`` per host this keeps the meshes a cluster's topology
+    suggests: up to ``max_axes_across`` outer axes over the hosts (what hybrid systems put
+    there: data parallel, and one more split) followed by the ordered factorizations of a
+    host's devices, at most ``max_axes`` axes in all, plus the one axis over all devices
+    (data parallel's and Megatron's mesh). Their prefixes grow with the logarithm of the
+    host count, not with ``n``. No axis then mixes links: each is priced on the host's
+    link or the network's.
+    Within one host (``n <= devices_per_node``), or where hosts do not divide ``n``, every
+    ordered factorization is kept."""
+    if n <= devices_per_node or n % devices_per_node:
+        return ordered_factorizations(n)
+    inner = ordered_factorizations(devices_per_node)
+    shapes = [outer + host for outer in ordered_factorizations(n // devices_per_node)
+              if len(outer) <= max_axes_across for host in inner if len(outer) + len(host) <= max_axes]
+    return list(dict.fromkeys(shapes + [(n,)]))
 
 
 def _factorizations(n: int) -> Iterator[tuple[int, ...]]:

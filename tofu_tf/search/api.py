@@ -1,7 +1,8 @@
 """``plan_graph`` and ``plan_model``: pick a mesh shape and layouts for a training step.
 
-This module owns the outer loop: which mesh shapes to try (every ordered
-factorization of the device count, or the one the user fixed), which method
+This module owns the outer loop: which mesh shapes to try (the ordered
+factorizations of the device count that follow the hosts, all of them where no
+plan fits there, or the one the user fixed), which method
 solves each axis (Tofu's DP, the ILP, or a baseline restriction of the same
 problem) in the roles the target allows (``targets.AxisRole``: under DTensor
 each axis is solved as a batch axis and as a model axis, the cheaper kept), the
@@ -19,12 +20,14 @@ import gc
 import time
 from typing import Callable, Mapping, Sequence
 
+from absl import logging
+
 from tofu_tf import ir
 from tofu_tf.cost.evaluate import StepCost, StepPricer, op_work_seconds
 from tofu_tf.cost.hardware import H100_NVLINK, HardwareProfile, profile
 from tofu_tf.cost.memory import Liveness
 from tofu_tf.errors import InfeasibleBudgetError
-from tofu_tf.mesh import MeshSpec, ordered_factorizations
+from tofu_tf.mesh import MeshSpec, host_aligned_factorizations, ordered_factorizations
 from tofu_tf.plan import CommCost, Method, Objective, Plan, format_bytes
 from tofu_tf.search import baselines, pins, tofu_dp
 from tofu_tf.search.coarsen import GraphIndex, StrategyProvider
@@ -61,8 +64,10 @@ def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | 
                pinned_layouts: Mapping[str, tuple] | None = None) -> Plan:
     """Choose a mesh shape and a layout for every tensor of a captured training step.
 
-    Every ordered factorization of ``num_devices`` into mesh axes is tried (or only
-    ``mesh_shape``); each axis is solved in turn by ``method``, each candidate is priced by
+    The ordered factorizations of ``num_devices`` into mesh axes are tried (beyond one of
+    ``hardware``'s hosts, those whose axes stay inside a host or span whole hosts, and all
+    of them where none of those fits the budget: ``tofu_tf.mesh.host_aligned_factorizations``),
+    or only ``mesh_shape``; each axis is solved in turn by ``method``, each candidate is priced by
     ``hardware``'s cost model, and the best by ``objective`` among those whose modeled peak
     memory per device fits the budget wins. Planning runs no step and needs no devices:
     the plan is what ``TofuStrategy`` lowers onto DTensor.
@@ -161,7 +166,7 @@ def _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_
     index = GraphIndex(graph, provider, pinned=pinned_variables(graph, target),
                        unsplit_dims=unsplit_variable_dims(graph, target),
                        work={} if objective is Objective.COMM else work, liveness=liveness)
-    meshes, restrict = _meshes_and_restriction(method, index, num_devices, mesh_shape)
+    meshes, restrict = _meshes_and_restriction(method, index, num_devices, mesh_shape, hardware)
     if pinned_layouts:
         if not isinstance(mesh_shape, Mapping) or method not in (Method.TOFU, Method.ILP):
             raise ValueError("pinned_layouts needs method 'tofu' or 'ilp' and mesh_shape as a dict naming the mesh "
@@ -176,9 +181,15 @@ def _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_
     if method in (Method.DATA_PARALLEL, Method.MEGATRON):
         best = min((search.solve(m, 0.0) for m in meshes), key=lambda c: c.key(objective))  # fixed patterns
     else:
-        best = search.best_under_budget(meshes, budget, objective)
+        best, meshes = _best_aligned_first(search, meshes, budget, objective, num_devices, mesh_shape)
     plan = _to_plan(best, graph, method, objective, hardware, memory_budget_bytes,
                     time.perf_counter() - start, search, target, user_names=isinstance(mesh_shape, Mapping))
+    every = len(ordered_factorizations(num_devices))
+    if mesh_shape is None and method in (Method.TOFU, Method.ILP) and len(meshes) < every:
+        plan = dataclasses.replace(plan, notes=(
+            f"searched {len(meshes)} of the {every} mesh shapes of {num_devices} devices: those whose axes stay "
+            f"inside a host of {hardware.devices_per_node} or span whole hosts (pass mesh_shape= for another)",)
+            + plan.notes)
     if pinned_layouts:
         pins.check_kept(pinned_layouts, plan.variable_layouts)
         plan = dataclasses.replace(plan, pinned_variables=tuple(pinned_layouts),
@@ -249,7 +260,28 @@ def _default_provider() -> StrategyProvider:
     return strategies
 
 
-def _meshes_and_restriction(method: Method, index: GraphIndex, n: int, mesh_shape):
+def _best_aligned_first(search: "_Search", meshes: list[MeshSpec], budget: int, objective: Objective, n: int,
+                        mesh_shape) -> tuple["_Candidate", list[MeshSpec]]:
+    """The best plan over the host-aligned meshes; where none fits the budget, over every
+    ordered factorization (a model that must split wider than a host, or across hosts in
+    more ways), said in the log. Returns the plan and the meshes searched."""
+    try:
+        return search.best_under_budget(meshes, budget, objective), meshes
+    except InfeasibleBudgetError:
+        every = [] if mesh_shape is not None else [_mesh(sizes) for sizes in ordered_factorizations(n)]
+        rest = [mesh for mesh in every if mesh not in meshes]
+        if not rest:
+            raise
+        logging.info("tofu_tf planner: no plan over the %d meshes that follow the hosts fits %.2f GiB per device; "
+                     "searching the other %d mesh shapes of %d devices", len(meshes), budget / 2**30, len(rest), n)
+        return search.best_under_budget(meshes + rest, budget, objective), meshes + rest
+
+
+def _mesh(sizes: tuple[int, ...]) -> MeshSpec:
+    return MeshSpec(tuple((f"a{i}", s) for i, s in enumerate(sizes)))
+
+
+def _meshes_and_restriction(method: Method, index: GraphIndex, n: int, mesh_shape, hardware: HardwareProfile):
     given = None if mesh_shape is None else MeshSpec.from_user_input(mesh_shape)
     if method in (Method.DATA_PARALLEL, Method.MEGATRON) and given is not None and given.sizes != (n,):
         raise ValueError(f"method={method.value!r} plans its own one-axis mesh of {n} devices, and mesh_shape "
@@ -262,7 +294,7 @@ def _meshes_and_restriction(method: Method, index: GraphIndex, n: int, mesh_shap
         if given.num_devices != n:
             raise ValueError(f"mesh_shape {given.text()} has {given.num_devices} devices, not num_devices={n}")
         return [given], None
-    return [MeshSpec(tuple((f"a{i}", s) for i, s in enumerate(sizes))) for sizes in ordered_factorizations(n)], None
+    return [_mesh(sizes) for sizes in host_aligned_factorizations(n, hardware.devices_per_node)], None
 
 
 @dataclasses.dataclass(frozen=True)
