@@ -99,18 +99,19 @@ def test_a_tf_keras_map_with_an_unmatched_key_or_a_wrong_rank_is_refused(entries
 
 
 @pytest.mark.slow
-def test_keras_hubs_llama_map_is_refused_where_dtensor_cannot_run_it():
-    """keras-hub's own Llama map splits the token embedding's rows (vocabulary) over 'model';
-    DTensor's gather cannot run a table split on its rows, so the map is refused naming that
-    entry instead of training a plan other than the map's."""
+@pytest.mark.parametrize("family,backbone", [("llama", "LlamaBackbone"), ("gemma", "GemmaBackbone")])
+def test_keras_hubs_own_maps_are_refused_where_dtensor_cannot_run_them(family, backbone):
+    """keras-hub's own Llama and Gemma maps split the token embedding's rows (vocabulary) over
+    'model'; DTensor's gather cannot run a table split on its rows, so the map is refused naming
+    that entry instead of training a plan other than the map's."""
     import keras_hub
     mesh = keras3.distribution.DeviceMesh((2, 4), ("batch", "model"), devices=[f"cpu:{i}" for i in range(8)])
-    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    layout_map = getattr(keras_hub.models, backbone).get_layout_map(mesh)
     strategy = TofuStrategy(8, layout_map=layout_map)
     with strategy.scope():
-        model = hub_models.llama()
+        model = hub_models.FAMILIES[family].build(32)
         model.compile(optimizer=keras3.optimizers.SGD(0.1),
                       loss=keras3.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = hub_models.data(hub_models.FAMILIES["llama"], 8)
+    x, y = hub_models.data(hub_models.FAMILIES[family], 8)
     with pytest.raises(PinError, match=r"token_embedding/embeddings \(\d+, 32\).*DTensor cannot split dim 0"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
