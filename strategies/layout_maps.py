@@ -50,6 +50,24 @@ class LayoutMapSpec:
             raise PinError(problems)
         return pinned
 
+    @property
+    def data_axis(self) -> str:
+        """The mesh axis the batch is split over: the map's first, as Keras 3's
+        ``ModelParallel`` takes it when no ``batch_dim_name`` is given."""
+        return next(iter(self.mesh_shape))
+
+    def computed_layout(self, layout: tuple) -> tuple:
+        """Where a weight stored in ``layout`` is computed with: gathered over the data axis.
+
+        keras-hub's maps split weights over the batch's axis too (``('batch', 'model')``),
+        as XLA's GSPMD runs them: each weight stored split over every device, gathered over
+        the data axis where it is read, its gradient reduce-scattered back (fully sharded
+        data parallel). DTensor does not do that by itself: it computes with the weight as it
+        is stored, and its matmul refuses a contraction split over two different axes. So the
+        planner plans with the weight split as computed, and the strategy stores it as the
+        map says and gathers it at each read (``TofuVariable``)."""
+        return tuple(None if axis == self.data_axis else axis for axis in layout)
+
     def _matches(self, key: str, path: str) -> bool:
         if self.fullmatch:
             return key == path or re.fullmatch(key, path) is not None

@@ -276,7 +276,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         plan_check.check_plan(plan, self._devices.count)
         self._ledger = plan_check.EntryLedger(plan.variable_layouts)
         inputs = list(getattr(plan, "input_layouts", {}).values())
-        lowered = lowering.lower(plan.mesh_shape, plan.variable_layouts, inputs, self._devices)
+        lowered = lowering.lower(plan.mesh_shape, plan.variable_layouts, inputs, self._devices,
+                                 pinned=getattr(plan, "pinned_variables", ()),
+                                 gathered_axis=None if self._options.layout_map is None
+                                 else self._options.layout_map.data_axis)
         devices_lib.check_clients_agree("plans", _layout_digest(plan), self._devices)
         self._lowered = lowered
         self._mesh = self._lowered.mesh
@@ -337,13 +340,21 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         options = dict(num_devices=self._devices.count, method=self._options.method,
                        memory_budget_bytes=self._options.memory_budget_bytes,
                        mesh_shape=self._options.mesh_shape, hardware=self._options.hardware)
-        if self._options.layout_map is not None:
-            options["pinned_layouts"] = self._options.layout_map.pinned_layouts([v.path for v in graph.weights()])
+        layout_map, stored = self._options.layout_map, {}
+        if layout_map is not None:
+            stored = layout_map.pinned_layouts([v.path for v in graph.weights()])
+            options["pinned_layouts"] = {path: layout_map.computed_layout(layout) for path, layout in stored.items()}
         directory = self._options.plan_cache
         if directory is False or (directory is True and plan_cache.cache_disabled()):
-            return plan_graph(graph, **options)
-        cache = plan_cache.PlanCache(None if directory is True else directory)
-        return plan_cache.plan_with_cache(graph, cache=cache, **options).plan
+            plan = plan_graph(graph, **options)
+        else:
+            cache = plan_cache.PlanCache(None if directory is True else directory)
+            plan = plan_cache.plan_with_cache(graph, cache=cache, **options).plan
+        if stored:       # the map's own layouts are how the weights are stored, their slots with them
+            slots = {var.path: stored[var.slot_of] for var in graph.variables.values()
+                     if var.slot_of in stored and var.shape == graph.variables[var.slot_of].shape}
+            plan = dataclasses.replace(plan, variable_layouts={**plan.variable_layouts, **stored, **slots})
+        return plan
 
     def _prepare(self, model) -> None:
         optimizer = getattr(model, "optimizer", None)
@@ -378,6 +389,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
         def row_axis(kernel):
             variable = keras_hooks.backing_variable(kernel)
+            read = getattr(variable, "_tofu_read_layout", None)     # stored split, computed gathered
+            if read is not None:
+                return read[0]
             layout = getattr(variable, "layout", None)
             if layout is None or layout.sharding_specs[0] == dtensor.UNSHARDED:
                 return None
@@ -443,6 +457,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         path = self._plan_names.get(id(variable)) or self._twin_name(keras_path(variable))
         path = _plan_path(path, self._plan, variable.shape)
         self._ledger.took(variable, path, variable.shape)
+        read = self._lowered.read_layouts.get(path)
+        if read is not None:
+            variable._tofu_read_layout = read  # pylint: disable=protected-access
         return self._lowered.layout_for(path, variable.shape)
 
     def _check_entries_taken(self, model) -> None:

@@ -47,7 +47,6 @@ def test_pinned_layouts_are_kept_with_their_slots_and_the_rest_is_planned(gpt_gr
     ({"lm_head/kernel": ("model",)}, r"lm_head/kernel \(64, 128\): layout \('model',\) has 1 entries for a rank-2"),
     ({"lm_head/kernel": ("x", None)}, r"names 'x', not an axis of the mesh"),
     ({"lm_head/kernel": ("model", "model")}, r"splits two dims on one mesh axis"),
-    ({"token_embedding/embeddings": ("model", None)}, r"DTensor cannot split dim 0 of a table a gather reads"),
 ])
 def test_a_pin_that_cannot_be_planned_is_refused_by_name(gpt_graph, pins, message):
     with pytest.raises(PinError, match=message):
@@ -98,20 +97,77 @@ def test_a_tf_keras_map_with_an_unmatched_key_or_a_wrong_rank_is_refused(entries
         strategy.plan_model(model, batch_size=h.BATCH)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family,backbone", [("llama", "LlamaBackbone"), ("gemma", "GemmaBackbone")])
-def test_keras_hubs_own_maps_are_refused_where_dtensor_cannot_run_them(family, backbone):
-    """keras-hub's own Llama and Gemma maps split the token embedding's rows (vocabulary) over
-    'model'; DTensor's gather cannot run a table split on its rows, so the map is refused naming
-    that entry instead of training a plan other than the map's."""
+def test_a_table_pinned_by_rows_is_kept_and_the_plan_is_legal(gpt_graph):
+    """DTensor's gather cannot read a table split by rows; such a pin is kept (the lowering
+    stores the table so and reads it whole) instead of refused."""
+    pins = {"token_embedding/embeddings": ("model", None)}
+    plan = plan_graph(gpt_graph, num_devices=8, mesh_shape=MESH, pinned_layouts=pins)
+    check_plan(gpt_graph, plan)
+    assert plan.variable_layouts["token_embedding/embeddings"] == ("model", None)
+
+
+def _hub_model(family):
+    """Small configs the maps divide: keras-hub's Gemma map splits the key/value heads over
+    'model', so Gemma gets 4 of them (hub_models' Gemma has one)."""
+    import keras_hub
+    if family == "llama":
+        return hub_models.llama(32)
+    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=hub_models.VOCAB, num_layers=2, num_query_heads=4,
+                                              num_key_value_heads=4, hidden_dim=32, intermediate_dim=64, head_dim=8)
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def _hub_map(backbone):
     import keras_hub
     mesh = keras3.distribution.DeviceMesh((2, 4), ("batch", "model"), devices=[f"cpu:{i}" for i in range(8)])
-    layout_map = getattr(keras_hub.models, backbone).get_layout_map(mesh)
+    return getattr(keras_hub.models, backbone).get_layout_map(mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,backbone", [("llama", "LlamaBackbone"), ("gemma", "GemmaBackbone")])
+def test_keras_hubs_own_maps_train_as_one_device_in_their_layouts(family, backbone):
+    """keras-hub's hand-written maps (2x4 mesh: token embedding ``('model', 'batch')``, every
+    attention and MLP kernel over both axes) train with Adam as one device trains: each mapped
+    weight stored in the map's layout (its slots with it) and gathered over 'batch' where it is
+    read (the table whole); whether 'batch' also splits the batch is the planner's choice.
+    Before, the maps were refused: DTensor cannot read a table split by rows, nor contract
+    over two different axes."""
+    layout_map = _hub_map(backbone)
+    x, y = hub_models.data(hub_models.FAMILIES[family], 16)
+
+    def build():
+        keras3.utils.set_random_seed(0)
+        model = _hub_model(family)
+        model.compile(optimizer=keras3.optimizers.Adam(0.01),
+                      loss=keras3.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+    reference = build()
+    initial = reference.get_weights()
+    expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
     strategy = TofuStrategy(8, layout_map=layout_map)
     with strategy.scope():
-        model = hub_models.FAMILIES[family].build(32)
+        model = build()
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
+    h.assert_trained_alike(model, reference, loss, expected, rtol=1e-4, atol=2e-5)
+    stored = {w.path: tuple(keras_adapter.tf_variable(w).layout.sharding_specs) for w in model.weights}
+    assert stored["token_embedding/embeddings"] == ("model", "batch")
+    kernels = [path for path in stored if path.endswith("kernel") and ("ffw" in path or "feedforward" in path)]
+    assert kernels and all(set(stored[path]) == {"batch", "model"} for path in kernels), stored
+    slots = {v.path: tuple(keras_adapter.tf_variable(v).layout.sharding_specs) for v in model.optimizer.variables
+             if "token_embedding_embeddings" in v.path}
+    assert slots and set(slots.values()) == {("model", "batch")}, slots
+
+
+@pytest.mark.slow
+def test_keras_hubs_gemma_map_is_refused_where_its_heads_do_not_divide():
+    """keras-hub's Gemma map splits the key/value heads over 'model' (4 devices); a Gemma with
+    one key/value head cannot be laid out so, and the map is refused naming those kernels."""
+    strategy = TofuStrategy(8, layout_map=_hub_map("GemmaBackbone"))
+    with strategy.scope():
+        model = hub_models.gemma(32)
         model.compile(optimizer=keras3.optimizers.SGD(0.1),
                       loss=keras3.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = hub_models.data(hub_models.FAMILIES[family], 8)
-    with pytest.raises(PinError, match=r"token_embedding/embeddings \(\d+, 32\).*DTensor cannot split dim 0"):
+    x, y = hub_models.data(hub_models.FAMILIES["gemma"], 8)
+    with pytest.raises(PinError, match=r"attention/key/kernel \(1, 32, 8\).*dim 0 \(1\) does not divide over 'model'"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)

@@ -163,16 +163,18 @@ def _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_
     provider = restrict_provider(strategy_provider or _default_provider(), target, graph)
     work = op_work_seconds(graph, hardware)
     liveness = Liveness(graph)
-    index = GraphIndex(graph, provider, pinned=pinned_variables(graph, target),
-                       unsplit_dims=unsplit_variable_dims(graph, target),
+    # A table a layout map splits by rows is stored so and read whole (the lowering
+    # all-gathers it at each read: ``tofu_tf.tf.lowering.Lowered.read_layouts``).
+    unsplit = {path: dims for path, dims in unsplit_variable_dims(graph, target).items()
+               if path not in (pinned_layouts or {})}
+    index = GraphIndex(graph, provider, pinned=pinned_variables(graph, target), unsplit_dims=unsplit,
                        work={} if objective is Objective.COMM else work, liveness=liveness)
     meshes, restrict = _meshes_and_restriction(method, index, num_devices, mesh_shape, hardware)
     if pinned_layouts:
         if not isinstance(mesh_shape, Mapping) or method not in (Method.TOFU, Method.ILP):
             raise ValueError("pinned_layouts needs method 'tofu' or 'ilp' and mesh_shape as a dict naming the mesh "
                              "axes its layouts use, e.g. {'batch': 2, 'model': 4}")
-        pins.check_pins(graph, pinned_layouts, meshes[0], replicated_only=pinned_variables(graph, target),
-                        unsplit_dims=unsplit_variable_dims(graph, target))
+        pins.check_pins(graph, pinned_layouts, meshes[0], replicated_only=pinned_variables(graph, target))
     solver = _solver(method, max_states, time_limit_s)
     first_pass = len({mesh.sizes[: k + 1] for mesh in meshes for k in range(len(mesh.axes))})
     roles = (AxisRole.ANY,) if restrict is not None else axis_roles(target)   # a baseline fixes its own pattern

@@ -10,8 +10,9 @@ baselines are (``tofu_tf.search.baselines``).
 
 Every pin is checked before any search: the variable exists, the layout has its rank,
 names only the mesh's axes, each at most once, each dividing its dim, and the target
-can run it (DTensor cannot split an embedding table's rows, nor a weight it needs
-replicated). A layout the map gives is never replaced silently.
+can run it (DTensor cannot split a weight it needs replicated). An embedding table's
+rows, which DTensor's gather cannot read split, are stored split as the map says and
+read whole. A layout the map gives is never replaced silently.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ class PinError(TofuError, ValueError):
 
 
 def check_pins(graph: ir.Graph, pinned: Mapping[str, Layout], mesh: MeshSpec, *,
-               replicated_only: frozenset[str] = frozenset(),
-               unsplit_dims: Mapping[str, frozenset[int]] | None = None) -> None:
+               replicated_only: frozenset[str] = frozenset()) -> None:
     """Raise ``PinError`` naming every pin that cannot be laid out on ``mesh``.
 
-    ``replicated_only`` and ``unsplit_dims`` are what the lowering target cannot split
-    (``targets.pinned_variables``, ``targets.unsplit_variable_dims``)."""
+    ``replicated_only`` is what the lowering target cannot split at all
+    (``targets.pinned_variables``). A table a gather reads may be pinned with split rows:
+    DTensor's gather cannot read it so, and the lowering stores it split and reads it whole
+    (an all-gather per read; ``tofu_tf.tf.lowering.Lowered.read_layouts``)."""
     variables = {v.path: v for v in graph.variables.values()}
     sizes = dict(mesh.axes)
     problems = []
@@ -72,10 +74,6 @@ def check_pins(graph: ir.Graph, pinned: Mapping[str, Layout], mesh: MeshSpec, *,
         if named and path in replicated_only:
             problems.append(f"{where}: DTensor runs this variable only replicated (a convolution filter, or a "
                             "weight its ops cannot split); drop its entry")
-        blocked = [dim for dim in (unsplit_dims or {}).get(path, ()) if layout[dim] is not None]
-        if blocked:
-            problems.append(f"{where}: DTensor cannot split dim {blocked[0]} of a table a gather reads (its "
-                            "rows); split another dim or drop the entry")
     if problems:
         raise PinError(problems)
 

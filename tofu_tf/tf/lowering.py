@@ -26,6 +26,10 @@ class Lowered:
     mesh: dtensor.Mesh
     variable_layouts: Mapping[str, tuple]
     batch_axis: str | None
+    # Weights stored in one layout and read in another (``TofuVariable``): those a layout
+    # map splits over its data axis, read gathered over it, and embedding tables it splits
+    # by rows, read whole (DTensor's gather refuses split rows). Path -> read layout.
+    read_layouts: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
 
     def layout_for(self, path: str, shape) -> dtensor.Layout:
         """The planned layout of a variable; replicated when the plan does not name it.
@@ -68,16 +72,42 @@ def make_mesh(mesh_shape: Mapping[str, int], devices: DeviceSet) -> dtensor.Mesh
 
 
 def lower(mesh_shape: Mapping[str, int], variable_layouts: Mapping[str, tuple],
-          input_layouts: Sequence[tuple], devices: DeviceSet) -> Lowered:
+          input_layouts: Sequence[tuple], devices: DeviceSet, *, pinned: Sequence[str] = (),
+          gathered_axis: str | None = None) -> Lowered:
     """Mesh + layouts for a plan. The batch axis is the mesh axis that splits
-    dim 0 of the plan's batch inputs (None when the batch is replicated)."""
+    dim 0 of the plan's batch inputs (None when the batch is replicated).
+    ``pinned``: the weights a layout map fixed (``Plan.pinned_variables``), stored as
+    the map says; ``gathered_axis``: the map's data axis, which such weights are
+    gathered over where they are read."""
     batch_axis = None
     for layout in input_layouts:
         if layout and layout[0] is not None:
             batch_axis = layout[0]
             break
-    return Lowered(mesh=make_mesh(mesh_shape, devices), variable_layouts=dtensor_natural(variable_layouts),
-                   batch_axis=batch_axis)
+    adjusted = dtensor_natural(variable_layouts, pinned=frozenset(pinned))
+    return Lowered(mesh=make_mesh(mesh_shape, devices), variable_layouts=adjusted, batch_axis=batch_axis,
+                   read_layouts=_read_layouts(adjusted, frozenset(pinned), gathered_axis))
+
+
+def _read_layouts(layouts: Mapping[str, tuple], pinned: frozenset[str], gathered_axis: str | None):
+    """Pinned weights read otherwise than stored: gathered over ``gathered_axis``, and an
+    embedding table with split rows read whole. Slots are never read so: only updated."""
+    out = {}
+    for path in pinned:
+        layout = layouts.get(path)
+        if not layout:
+            continue
+        read = tuple(None if axis == gathered_axis else axis for axis in layout)
+        if _is_table(path) and read[0] is not None:
+            read = (None,) * len(read)
+        if read != tuple(layout):
+            out[path] = read
+    return out
+
+
+def _is_table(path: str) -> bool:
+    """An embedding table, by Keras' weight name (tf-keras, Keras 3, keras-hub)."""
+    return path.rsplit("/", 1)[-1] == "embeddings"
 
 
 # Keras parameters that meet an activation's feature dim inside one op. DTensor
@@ -86,14 +116,15 @@ def lower(mesh_shape: Mapping[str, int], variable_layouts: Mapping[str, tuple],
 _FEATURE_PARAMETERS = ("gamma", "beta", "moving_mean", "moving_variance")
 
 
-def dtensor_natural(variable_layouts: Mapping[str, tuple]) -> dict[str, tuple]:
+def dtensor_natural(variable_layouts: Mapping[str, tuple], *, pinned: frozenset[str] = frozenset()) -> dict[str, tuple]:
     """Variable layouts DTensor's per-op expanders accept as they meet in one op.
 
     * a bias takes its kernel's output-dim axis (DTensor refuses a BiasAdd whose
       operands are split on different axes);
     * normalization parameters stay replicated;
     * an embedding table is not split on its vocabulary rows (DTensor's
-      ResourceGather refuses a sharded dim 0).
+      ResourceGather refuses a sharded dim 0), unless a layout map pinned it so
+      (``pinned``): then it is stored split and read whole (``Lowered.read_layouts``).
     Slots follow their weight's adjusted layout: Keras 3 and tf-keras name them
     ``<optimizer>/<slot>/<weight path>`` (``Adam/m/dense/kernel``), tf-keras's legacy
     optimizers ``<optimizer>/<weight path>/<slot>`` (``SGD/dense/bias/momentum``). A
@@ -110,7 +141,7 @@ def dtensor_natural(variable_layouts: Mapping[str, tuple]) -> dict[str, tuple]:
             adjusted[path] = (kernel[-1],)
         elif leaf in _FEATURE_PARAMETERS:
             adjusted[path] = (None,) * len(layout)
-        elif leaf == "embeddings" and layout:
+        elif _is_table(path) and layout and path not in pinned:
             adjusted[path] = (None,) + tuple(layout[1:])
     for path, layout in variable_layouts.items():
         weight = _weight_of_slot(path, layout, variable_layouts)

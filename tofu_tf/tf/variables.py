@@ -99,6 +99,35 @@ class TofuVariable(d_variable.DVariable):
                 return tf.identity(value)
         return super()._read_variable_op(no_copy=no_copy)
 
+    def _as_read(self, value):
+        """``value`` (a read of this variable) in the layout it is computed with, where that
+        differs from how it is stored (``Lowered.read_layouts``: a weight a layout map splits
+        over its data axis, gathered over it; a table split by rows, read whole). The
+        relayout's gradient lays the dense gradient out as the variable is stored, so the
+        optimizer updates shards."""
+        read = self.__dict__.get("_tofu_read_layout")
+        if read is None:
+            return value
+        computed = dtensor.Layout([dtensor.UNSHARDED if a is None else a for a in read], self.layout.mesh)
+        stored = self.layout
+
+        @tf.custom_gradient
+        def gathered(x):
+            def gradient(dy):
+                # A lookup's gradient stays sparse, as on one device: Keras 3's Adam squares
+                # the sparse gradient's rows before summing duplicates, a dense one after.
+                if isinstance(dy, tf.IndexedSlices):
+                    return dy
+                # First as computed: DTensor would otherwise carry the stored layout back
+                # into the matmul that makes dy, whose expander refuses it.
+                return dtensor.relayout(dtensor.relayout(tf.convert_to_tensor(dy), computed), stored)
+            return dtensor.relayout(x, computed), gradient
+        return gathered(value)
+
+    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+        value = super()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
+        return value if as_ref else self._as_read(value)
+
     def numpy(self):
         """The full value on the host, assembled from the shards.
 
@@ -144,12 +173,17 @@ class TofuVariable(d_variable.DVariable):
         the variable it updates (a replicated head after a feature-split
         embedding). Laying the gradient out before the rows are deduplicated keeps
         every later tensor in the variable's layout."""
-        value = super().sparse_read(indices, name=name)
+        read = self.__dict__.get("_tofu_read_layout")
+        if read is not None:
+            value = tf.gather(self._as_read(self._read_variable_op()), indices, name=name)
+        else:
+            value = super().sparse_read(indices, name=name)
         if value.shape.rank is None:
             return value
         positions = value.shape.rank - (self.shape.rank - 1)
-        rows = dtensor.Layout([dtensor.UNSHARDED] * positions + list(self.layout.sharding_specs[1:]),
-                              self.layout.mesh)
+        features = list(self.layout.sharding_specs[1:]) if read is None else \
+            [dtensor.UNSHARDED if a is None else a for a in read[1:]]
+        rows = dtensor.Layout([dtensor.UNSHARDED] * positions + features, self.layout.mesh)
         return _gradient_relaid(value, rows)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
@@ -488,7 +522,7 @@ def _become(variable, fresh: TofuVariable) -> TofuVariable:
     # inside the layer's name scope again and would be called "dense/dense/kernel";
     # and its checkpoint bookkeeping (``_self_*``: which restore wrote it, checked
     # after a restore made before the plan).
-    for key in ("_handle_name", "_unique_id", "_shared_name", "_tofu_path"):
+    for key in ("_handle_name", "_unique_id", "_shared_name", "_tofu_path", "_tofu_read_layout"):
         if key in variable.__dict__:
             state[key] = variable.__dict__[key]
     state.update((key, value) for key, value in variable.__dict__.items() if key.startswith("_self_"))
