@@ -11,7 +11,7 @@ from tofu_tf.ir import Graph, Op, Role, Tensor, Variable, VariableKind
 __version__ = "0.1.0"
 
 _LAZY = {
-    "TofuStrategy": ("strategies.tofu_strategy", "TofuStrategy"),
+    "TofuStrategy": ("tofu_tf.strategies.tofu_strategy", "TofuStrategy"),
     "capture_training_step": ("tofu_tf.tf.capture", "capture_training_step"),
     "DynamicShapeError": ("tofu_tf.tf.capture", "DynamicShapeError"),
     "coverage": ("tofu_tf.semantics", "coverage"),
@@ -20,7 +20,7 @@ _LAZY = {
     "plan_graph": ("tofu_tf.search", "plan_graph"),
     "UnsupportedOpError": ("tofu_tf.search", "UnsupportedOpError"),
     "Plan": ("tofu_tf.plan", "Plan"),
-    "one_device_copy": ("strategies.export", "one_device_copy"),
+    "one_device_copy": ("tofu_tf.strategies.export", "one_device_copy"),
     "DTensorExportError": ("tofu_tf.tf.variables", "DTensorExportError"),
     "PlanError": ("tofu_tf.plan_check", "PlanError"),
 }
