@@ -16,7 +16,8 @@ otherwise every package that re-exports its submodules would be a circle.
 The package's modules live in two folders: ``tofu_tf/`` and ``strategies/``,
 installed as ``tofu_tf.strategies`` (setup.py's ``package_dir``). Between the two,
 imports go one way: the strategies import the core, the core never imports them
-(``tofu_tf``'s own ``__init__`` names ``TofuStrategy`` lazily).
+(``tofu_tf``'s own ``__init__`` names ``TofuStrategy`` lazily, and imports it
+under ``if TYPE_CHECKING:`` only).
 """
 
 import ast
@@ -155,6 +156,43 @@ def test_the_core_never_imports_the_strategies():
     backwards = sorted(f"{name} -> {target}" for name, targets in graph.items()
                        if name != PACKAGE and not _is_strategy(name) for target in targets if _is_strategy(target))
     assert not backwards, f"the core imports tofu_tf.strategies (they import the core, not back): {backwards}"
+    # The package's __init__ may: its TYPE_CHECKING imports of the lazy names, seen here.
+    assert "tofu_tf.strategies.tofu_strategy" in graph[PACKAGE]
+
+
+def _type_checking_imports() -> dict[str, str]:
+    """Name -> module of the ``from m import name`` lines under ``if TYPE_CHECKING:`` of tofu_tf/__init__.py."""
+    path = os.path.join(ROOT, PACKAGE, "__init__.py")
+    with open(path, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read(), path)
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for statement in node.body:
+                assert isinstance(statement, ast.ImportFrom), ast.dump(statement)
+                found.update({alias.asname or alias.name: statement.module for alias in statement.names})
+    return found
+
+
+def test_the_lazy_names_resolve_and_are_listed_by_dir_and_type_checking_imports():
+    import tofu_tf
+    lazy = tofu_tf._LAZY
+    assert _type_checking_imports() == {name: module for name, (module, _) in lazy.items()}
+    assert all(name == attr for name, (_, attr) in lazy.items())
+    assert set(lazy) <= set(dir(tofu_tf)) and set(lazy) <= set(tofu_tf.__all__)
+    for name, (module, attr) in lazy.items():
+        assert getattr(tofu_tf, name) is getattr(importlib.import_module(module), attr), name
+    assert tofu_tf.TofuStrategy.__module__ == "tofu_tf.strategies.tofu_strategy"
+
+
+def test_the_ir_classes_are_tofu_tf_ir_s_not_the_top_level_s():
+    """``tofu_tf.Graph`` would read like TensorFlow's own ``tf.Graph``: the IR's classes are
+    imported from ``tofu_tf.ir``."""
+    import tofu_tf
+    from tofu_tf import ir
+    for name in ("Graph", "Op", "Tensor", "Variable", "Role", "VariableKind"):
+        assert hasattr(ir, name)
+        assert name not in tofu_tf.__all__ and name not in dir(tofu_tf) and not hasattr(tofu_tf, name), name
 
 
 def test_the_strategies_folder_is_no_top_level_package():
