@@ -1,4 +1,4 @@
-"""Install tofu_tf and the strategies built on it."""
+"""Install tofu_tf, with the strategies built on it as tofu_tf.strategies."""
 
 import ast
 import os
@@ -25,7 +25,11 @@ setup(
     version="0.1.0",
     license="Apache-2.0",
     description="Automatic partitioning of TensorFlow/Keras training steps across devices (Tofu on DTensor)",
-    packages=find_packages(include=["tofu_tf", "tofu_tf.*", "strategies", "strategies.*"]),
+    # The strategies/ folder is the package tofu_tf.strategies: no top-level `strategies`
+    # lands in site-packages, where it would collide with any other package of that name.
+    packages=[*find_packages(include=["tofu_tf", "tofu_tf.*"]),
+              *("tofu_tf." + name for name in find_packages(include=["strategies", "strategies.*"]))],
+    package_dir={"tofu_tf.strategies": "strategies"},
     # The pipeline memory regression's measured samples.
     package_data={"tofu_tf.pipeline": ["data/*.json"]},
     python_requires=">=3.10,<3.13",

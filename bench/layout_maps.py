@@ -68,7 +68,7 @@ def _row(family, n):
     import keras
     import tensorflow as tf
 
-    from strategies import layout_maps
+    from tofu_tf.strategies import layout_maps
     from tofu_tf import capture_training_step
     from tofu_tf.search import plan_graph
 

@@ -108,7 +108,7 @@ def main(argv):
     import keras
     import tensorflow as tf
 
-    from strategies import TofuStrategy
+    from tofu_tf.strategies import TofuStrategy
     from tofu_tf import hub_models
     from tofu_tf.tf.capture import capture_training_step
 

@@ -10,7 +10,7 @@ weights keep their layouts either way). Each batch then computes exactly what
 it computes on one device, the partial last one included.
 
 The steps that consume these batches run one batch at a time
-(``strategies.step_functions``), so the batches can differ in shape.
+(``tofu_tf.strategies.step_functions``), so the batches can differ in shape.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class DistributedBatches:
     """The user's dataset, batch by batch, each batch laid out on the mesh.
 
     Both Keras versions iterate it in Python and hand each batch to the step
-    function (``strategies.step_functions``). It keeps the dataset's batch count:
+    function (``tofu_tf.strategies.step_functions``). It keeps the dataset's batch count:
     unknown when the dataset's is (``.filter``), and then the epoch ends when the
     data does, as on one device. ``placer`` gives the mesh's placer, or None while no
     plan exists: batches taken then are ``PendingValue``s.

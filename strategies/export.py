@@ -95,7 +95,7 @@ def _save_from_copy(model, save):
 
 def _children_for(children):
     def trackable_children(self, save_type="checkpoint", **kwargs):
-        """The model's children; in a SavedModel, its one-device copy's (``strategies.export``)."""
+        """The model's children; in a SavedModel, its one-device copy's (``tofu_tf.strategies.export``)."""
         if save_type != "savedmodel":
             return children(save_type, **kwargs)
         copies = kwargs["cache"].setdefault(_COPIES, {})

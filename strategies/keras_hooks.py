@@ -17,7 +17,7 @@ import types
 
 import tensorflow as tf
 
-from strategies import export as export_lib
+from tofu_tf.strategies import export as export_lib
 from tofu_tf.tf import keras_adapter
 
 _MAX_DEPTH = 4
@@ -67,7 +67,7 @@ _KERAS_STEPS = frozenset({"train_step", "test_step", "predict_step"})
 
 def runs_keras_step(step_fn, model) -> bool:
     """Whether ``step_fn`` runs ``model``'s own train/test/predict step: Keras' step functions
-    (``fit``, ``train_on_batch``) and the strategy's (``strategies.step_functions``) call the
+    (``fit``, ``train_on_batch``) and the strategy's (``tofu_tf.strategies.step_functions``) call the
     model's bound ``train_step``; a custom loop runs its own code."""
     function = getattr(step_fn, "__func__", step_fn)
     function = getattr(function, "_python_function", function)
@@ -229,7 +229,7 @@ def prepare_for_dtensor(model) -> list[Transformation]:
       optimizer's step count (a compiled model's).
     Sparse (Embedding) gradients are densified in the variables instead
     (``tofu_tf.tf.variables.TofuVariable.scatter_add``). And the model's SavedModel
-    exports are made from a one-device copy (``strategies.export``): one traced on
+    exports are made from a one-device copy (``tofu_tf.strategies.export``): one traced on
     the mesh holds DTensor ops no one-device runtime can run.
     """
     changes = []
@@ -523,7 +523,7 @@ def _config_reports_user_value(layer, key: str, value) -> None:
 
     A rewrite for DTensor (an RNN's ``unroll``) is how the strategy runs the layer, not
     what the user built: a saved model (a ``.keras`` file, a SavedModel's metadata, the
-    one-device copy ``strategies.export`` rebuilds from the config) must say what one
+    one-device copy ``tofu_tf.strategies.export`` rebuilds from the config) must say what one
     device would, or a model loaded from it would run differently (an unrolled loop
     takes only its static sequence length).
     """

@@ -40,9 +40,9 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from strategies import keras_hooks
 from tofu_tf.errors import TofuError
 from tofu_tf.plan import format_bytes
+from tofu_tf.strategies import keras_hooks
 from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import variables as variables_lib
 

@@ -2,7 +2,7 @@
 
 Keras builds each loop's function around a ``tf.data`` iterator read inside a
 ``tf.function`` that relaxes shapes on a second trace (``reduce_retracing``).
-Under TofuStrategy the batches come from ``strategies.batches`` instead: each
+Under TofuStrategy the batches come from ``tofu_tf.strategies.batches`` instead: each
 laid out on the mesh as it arrives, and not all of one shape (a partial last
 batch, another sequence length, a batch replicated because the batch axis does
 not divide it). So the functions installed here read the next batch in Python
@@ -15,7 +15,7 @@ host, as one device returns them.
 
 This module touches Keras internals (the step counters of tf-keras, both
 versions' ``reduce_per_replica``); a Keras upgrade that moves them changes
-this file and ``strategies.keras_hooks``.
+this file and ``tofu_tf.strategies.keras_hooks``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from absl import logging
 from tensorflow.dtensor.python import d_variable
 from tensorflow.experimental import dtensor
 
-from strategies import batches as batches_lib
+from tofu_tf.strategies import batches as batches_lib
 
 _KINDS = ("train", "test", "predict")
 

@@ -47,14 +47,14 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute.experimental import dtensor_strategy_extended
 from tensorflow.python.distribute.experimental import dtensor_util
 
-from strategies import batches as batches_lib
-from strategies import keras_hooks
-from strategies import layout_maps
-from strategies import step_functions
 from tofu_tf import plan as plan_lib
 from tofu_tf import plan_check
 from tofu_tf.cost import hardware as hardware_lib
 from tofu_tf.errors import TofuError
+from tofu_tf.strategies import batches as batches_lib
+from tofu_tf.strategies import keras_hooks
+from tofu_tf.strategies import layout_maps
+from tofu_tf.strategies import step_functions
 from tofu_tf.tf import devices as devices_lib
 from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import lowering
@@ -148,8 +148,8 @@ class TofuStrategy(distribute_lib.Strategy):
                        max_host_bytes: int | None = None, clone=None):
         """Train ``steps`` batches sharded and on one device (the host CPU) from the model's
         current state, compare the weights, and restore the sharded model: a
-        ``strategies.numerics.NumericsReport`` (``print(report.summary())``)."""
-        from strategies import numerics
+        ``tofu_tf.strategies.numerics.NumericsReport`` (``print(report.summary())``)."""
+        from tofu_tf.strategies import numerics
         return numerics.check_numerics(self, model, x, y, steps=steps, batch_size=batch_size,
                                        max_host_bytes=max_host_bytes, clone=clone)
 
@@ -512,7 +512,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
         Keras distributes the dataset before its first step, so this is where a model is
         planned when ``fit``/``evaluate``/``predict`` start: from the static shapes of
-        the batches themselves (``strategies.batches``), whatever the model declares. A
+        the batches themselves (``tofu_tf.strategies.batches``), whatever the model declares. A
         custom training loop distributes its data before its first ``run``, which is
         where the strategy learns what the loop trains: until then batches wait on the
         host (``batches.PendingValue``).

@@ -119,7 +119,7 @@ class InitialWeights:
 def train_beside_one_device(build, x, y, *, compile_fn=compile_model):
     """One epoch of ``build()`` on one device and under ``TofuStrategy(8)``, planned first,
     from the same initial weights: (model, reference, its losses, the reference's)."""
-    from strategies import TofuStrategy
+    from tofu_tf.strategies import TofuStrategy
     reference = build()
     initial = reference.get_weights()
     compile_fn(reference)
@@ -139,7 +139,7 @@ def train_from_weights_read_before_the_plan(build, weights_file, *, compile_fn=c
     and saved to ``weights_file`` before the planner has run, then one epoch, in which the
     planner must shard a weight; and one device trained from the weights read, which the
     file holds too. (model, reference, its losses, the reference's)."""
-    from strategies import TofuStrategy
+    from tofu_tf.strategies import TofuStrategy
     strategy = TofuStrategy(8)
     with strategy.scope():
         model = build()
@@ -164,7 +164,7 @@ def train_from_weights_read_before_the_plan(build, weights_file, *, compile_fn=c
 def train_beside_one_device_under(plan, build, x, y, *, compile_fn=compile_model):
     """One epoch of ``build()`` on one device and under ``TofuStrategy(8, plan=plan)`` (a
     ``HandPlan``) from the same initial weights: (model, reference, its losses, the reference's)."""
-    from strategies import TofuStrategy
+    from tofu_tf.strategies import TofuStrategy
     reference = build()
     initial = reference.get_weights()
     compile_fn(reference)

@@ -15,8 +15,8 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from strategies import TofuStrategy
-from strategies.tofu_strategy import PlanningError
+from tofu_tf.strategies import TofuStrategy
+from tofu_tf.strategies.tofu_strategy import PlanningError
 from tofu_tf.tf.keras_adapter import UnsupportedModelError
 
 pytestmark = pytest.mark.slow   # trains models under TofuStrategy end to end

@@ -17,9 +17,9 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from strategies import TofuStrategy
 from tests import strategy_helpers as h
 from tofu_tf import models
+from tofu_tf.strategies import TofuStrategy
 
 pytestmark = pytest.mark.slow   # trains models under TofuStrategy end to end
 
@@ -125,7 +125,7 @@ def test_small_replicated_inputs_reach_the_step_through_variables():
     so a classifier's labels (one int per sample) compiled the whole step again at step 2
     (seconds on keras-hub's BERT and ViT classifiers). With the batch replicated, the labels
     reach the step through a variable: one program, and the step as on one device."""
-    from strategies import step_functions
+    from tofu_tf.strategies import step_functions
 
     reference = _build("tf_keras")
     initial = reference.get_weights()

@@ -67,7 +67,7 @@ def test_the_environment_variable_sets_the_bound(monkeypatch):
 
 @pytest.mark.slow   # starts TensorFlow in a fresh Python
 def test_a_strategy_over_the_bound_is_refused_before_any_device_is_made():
-    out = _request(_over_the_bound(), "from strategies import TofuStrategy; TofuStrategy(count)")
+    out = _request(_over_the_bound(), "from tofu_tf.strategies import TofuStrategy; TofuStrategy(count)")
     assert "refused:" in out and "virtual devices share them" in out and "TOFU_TF_MAX_VIRTUAL_CPUS=" in out
     assert "cpu devices: 1" in out
 

@@ -86,8 +86,8 @@ def test_variable_slices_name_every_axis(spec, rank, want):
 
 _POSITION_TABLE = _MESH + """
 import tf_keras as keras
-from strategies import TofuStrategy
 from tests import strategy_helpers as h
+from tofu_tf.strategies import TofuStrategy
 write, layouts = sys.argv[1], sys.argv[2]
 
 
@@ -529,7 +529,7 @@ def _model(*layers):
 
 
 def test_svd_is_refused_before_the_first_step_with_the_layer_and_a_way_out():
-    from strategies import TofuStrategy
+    from tofu_tf.strategies import TofuStrategy
     strategy = TofuStrategy(8)
     with strategy.scope():
         model = _model(keras.layers.Dense(16, name="d1"), _Spectral(name="spectral"))

@@ -5,13 +5,13 @@ import importlib
 import inspect
 import pkgutil
 
-import strategies
 import tofu_tf
+import tofu_tf.strategies
 from tofu_tf import TofuError
 
 
 def _package_modules():
-    for package in (tofu_tf, strategies):
+    for package in (tofu_tf, tofu_tf.strategies):
         yield package
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
             yield importlib.import_module(info.name)
@@ -31,10 +31,10 @@ def test_every_exception_class_of_the_package_derives_from_tofu_error():
 
 
 def test_each_keeps_its_built_in_base_and_there_is_one_infeasible_budget_error():
-    from strategies.tofu_strategy import PlanningError
     from tofu_tf.pipeline import InfeasibleBudgetError as pipeline_infeasible
     from tofu_tf.plan_check import PlanError
     from tofu_tf.search import InfeasibleBudgetError as search_infeasible
+    from tofu_tf.strategies.tofu_strategy import PlanningError
     from tofu_tf.tf.keras_adapter import UnsupportedModelError
     assert search_infeasible is pipeline_infeasible is tofu_tf.InfeasibleBudgetError
     assert issubclass(tofu_tf.InfeasibleBudgetError, ValueError)

@@ -15,10 +15,10 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from strategies import TofuStrategy
-from strategies import export as export_lib
-from strategies import keras_hooks
 from tofu_tf import models
+from tofu_tf.strategies import TofuStrategy
+from tofu_tf.strategies import export as export_lib
+from tofu_tf.strategies import keras_hooks
 
 pytestmark = pytest.mark.slow   # trains, saves and serves models under TofuStrategy
 

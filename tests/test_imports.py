@@ -12,13 +12,23 @@ builds the graph "module -> package modules it imports" and looks for cycles.
 An import of ``a.b.c`` counts as an edge to ``a.b.c`` only, not to the
 packages ``a`` and ``a.b`` whose ``__init__`` Python runs on the way:
 otherwise every package that re-exports its submodules would be a circle.
+
+The package's modules live in two folders: ``tofu_tf/`` and ``strategies/``,
+installed as ``tofu_tf.strategies`` (setup.py's ``package_dir``). Between the two,
+imports go one way: the strategies import the core, the core never imports them
+(``tofu_tf``'s own ``__init__`` names ``TofuStrategy`` lazily, and imports it
+under ``if TYPE_CHECKING:`` only).
 """
 
 import ast
+import importlib
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "tofu_tf"
+STRATEGIES = "tofu_tf.strategies"
+# Folder of the repository -> the dotted package it installs as.
+FOLDERS = {"tofu_tf": PACKAGE, "strategies": STRATEGIES}
 
 # Circles that stay on purpose, each with the reason; the test fails when one is gone,
 # so that the entry is removed with it.
@@ -32,14 +42,15 @@ ALLOWED = {
 def _modules() -> dict[str, str]:
     """Dotted module name -> file path, for every module of the package."""
     found = {}
-    for folder, _, files in os.walk(os.path.join(ROOT, PACKAGE)):
-        for file in files:
-            if file.endswith(".py"):
-                path = os.path.join(folder, file)
-                parts = os.path.relpath(path, ROOT)[:-len(".py")].split(os.sep)
-                if parts[-1] == "__init__":
-                    parts = parts[:-1]
-                found[".".join(parts)] = path
+    for top, package in FOLDERS.items():
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for file in files:
+                if file.endswith(".py"):
+                    path = os.path.join(folder, file)
+                    parts = os.path.relpath(path, os.path.join(ROOT, top))[:-len(".py")].split(os.sep)
+                    if parts[-1] == "__init__":
+                        parts = parts[:-1]
+                    found[".".join([package, *parts])] = path
     return found
 
 
@@ -126,6 +137,75 @@ def test_the_graph_sees_imports_written_inside_functions():
     assert "tofu_tf.semantics.ops" in graph["tofu_tf.semantics.registry"]
     assert "tofu_tf.semantics.family" in graph["tofu_tf.semantics.ops.contraction"]
     assert "tofu_tf.plan_report" in graph["tofu_tf.plan"]       # written inside Plan's methods
+    assert "tofu_tf.strategies.numerics" in graph["tofu_tf.strategies.tofu_strategy"]
+
+
+def test_the_graph_holds_the_strategies_under_their_installed_name():
+    graph = import_graph()
+    assert {"tofu_tf.strategies", "tofu_tf.strategies.tofu_strategy", "tofu_tf.strategies.keras_hooks"} <= set(graph)
+    assert not any(name == "strategies" or name.startswith("strategies.") for name in graph)
+    assert "tofu_tf.tf.lowering" in graph["tofu_tf.strategies.tofu_strategy"]
+
+
+def _is_strategy(name: str) -> bool:
+    return name == STRATEGIES or name.startswith(STRATEGIES + ".")
+
+
+def test_the_core_never_imports_the_strategies():
+    graph = import_graph()
+    backwards = sorted(f"{name} -> {target}" for name, targets in graph.items()
+                       if name != PACKAGE and not _is_strategy(name) for target in targets if _is_strategy(target))
+    assert not backwards, f"the core imports tofu_tf.strategies (they import the core, not back): {backwards}"
+    # The package's __init__ may: its TYPE_CHECKING imports of the lazy names, seen here.
+    assert "tofu_tf.strategies.tofu_strategy" in graph[PACKAGE]
+
+
+def _type_checking_imports() -> dict[str, str]:
+    """Name -> module of the ``from m import name`` lines under ``if TYPE_CHECKING:`` of tofu_tf/__init__.py."""
+    path = os.path.join(ROOT, PACKAGE, "__init__.py")
+    with open(path, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read(), path)
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for statement in node.body:
+                assert isinstance(statement, ast.ImportFrom), ast.dump(statement)
+                found.update({alias.asname or alias.name: statement.module for alias in statement.names})
+    return found
+
+
+def test_the_lazy_names_resolve_and_are_listed_by_dir_and_type_checking_imports():
+    import tofu_tf
+    lazy = tofu_tf._LAZY
+    assert _type_checking_imports() == {name: module for name, (module, _) in lazy.items()}
+    assert all(name == attr for name, (_, attr) in lazy.items())
+    assert set(lazy) <= set(dir(tofu_tf)) and set(lazy) <= set(tofu_tf.__all__)
+    for name, (module, attr) in lazy.items():
+        assert getattr(tofu_tf, name) is getattr(importlib.import_module(module), attr), name
+    assert tofu_tf.TofuStrategy.__module__ == "tofu_tf.strategies.tofu_strategy"
+
+
+def test_the_ir_classes_are_tofu_tf_ir_s_not_the_top_level_s():
+    """``tofu_tf.Graph`` would read like TensorFlow's own ``tf.Graph``: the IR's classes are
+    imported from ``tofu_tf.ir``."""
+    import tofu_tf
+    from tofu_tf import ir
+    for name in ("Graph", "Op", "Tensor", "Variable", "Role", "VariableKind"):
+        assert hasattr(ir, name)
+        assert name not in tofu_tf.__all__ and name not in dir(tofu_tf) and not hasattr(tofu_tf, name), name
+
+
+def test_the_strategies_folder_is_no_top_level_package():
+    """From the repository root (pytest's sys.path) the folder is found as ``strategies`` and
+    refuses, rather than loading its modules a second time; installed, there is none."""
+    try:
+        importlib.import_module("strategies")
+    except ModuleNotFoundError as error:
+        assert error.name == "strategies"
+    except ImportError as error:
+        assert "import tofu_tf.strategies" in str(error)
+    else:
+        raise AssertionError("a top-level strategies package imported")
 
 
 def test_the_package_has_no_import_circle():

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from strategies import TofuStrategy
 from tests import strategy_helpers as h
 from tofu_tf import models
+from tofu_tf.strategies import TofuStrategy
 from tofu_tf.tf import lowering
 
 pytestmark = pytest.mark.slow   # trains models under TofuStrategy end to end

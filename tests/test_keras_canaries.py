@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tf_keras
 
-from strategies import TofuStrategy, keras_hooks
+from tofu_tf.strategies import TofuStrategy, keras_hooks
 
 pytestmark = pytest.mark.slow   # trains under TofuStrategy
 

@@ -9,12 +9,12 @@ import pytest
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from strategies import TofuStrategy
 from tests import strategy_helpers as h
 from tofu_tf import capture_training_step, hub_models, models
 from tofu_tf.search import plan_graph
 from tofu_tf.search.legality import check_plan
 from tofu_tf.search.pins import PinError
+from tofu_tf.strategies import TofuStrategy
 from tofu_tf.tf import keras_adapter
 
 MESH = {"batch": 2, "model": 4}

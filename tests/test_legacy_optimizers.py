@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
-from strategies import TofuStrategy
 from tofu_tf.search import UnsupportedOpError
+from tofu_tf.strategies import TofuStrategy
 
 pytestmark = pytest.mark.slow   # trains models under TofuStrategy end to end
 

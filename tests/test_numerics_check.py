@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
-from strategies import TofuStrategy
-from strategies import numerics
 from tests import strategy_helpers as h
 from tofu_tf import models
+from tofu_tf.strategies import TofuStrategy
+from tofu_tf.strategies import numerics
 from tofu_tf.tf import keras_adapter
 
 pytestmark = pytest.mark.slow   # trains models under TofuStrategy end to end

@@ -146,7 +146,7 @@ def test_a_second_run_of_a_script_takes_its_plan_from_the_cache_and_trains_alike
 def test_the_strategy_caches_only_where_told(tmp_path, searches):
     """An explicit directory caches even with ``$TOFU_PLAN_CACHE=off`` (this suite's setting);
     ``plan_cache=False``, and the default under ``off``, search and keep nothing."""
-    from strategies import TofuStrategy
+    from tofu_tf.strategies import TofuStrategy
     from tests import strategy_helpers as h
     x, y = h.data_for(h.build("mlp"))
     for cache in (tmp_path, False, True):

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import tf_keras
 
-from strategies import TofuStrategy
 from tests import strategy_helpers as h
 from tofu_tf import models, plan_check
 from tofu_tf.plan import Plan
 from tofu_tf.plan_check import PlanError
+from tofu_tf.strategies import TofuStrategy
 
 MESH = {"batch": 2, "model": 4}
 BATCH = {"x": ("batch",)}

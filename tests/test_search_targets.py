@@ -257,7 +257,7 @@ def test_a_model_axis_splits_no_dim_that_carries_the_batch():
 def test_a_small_cnn_is_planned_data_parallel(hardware):
     """Before: every plan of this CNN kept its input whole on every axis (and priced its
     convolutions split anyway), so it ran fully replicated."""
-    from strategies import keras_hooks
+    from tofu_tf.strategies import keras_hooks
     from tofu_tf import models
     from tofu_tf.tf.capture import capture_training_step
     model = models.cnn(image_size=32, channels=32)

@@ -6,9 +6,9 @@ import tensorflow as tf
 import tf_keras as keras
 from tensorflow.experimental import dtensor
 
-from strategies import TofuStrategy
 from tests import strategy_helpers as h
 from tofu_tf import models
+from tofu_tf.strategies import TofuStrategy
 from tofu_tf.tf import lowering
 from tofu_tf.tf import variables as variables_lib
 
@@ -297,7 +297,7 @@ def test_dropout_masks_are_stateless_fresh_each_step_and_at_the_rate():
     """On one device: the replacement generator's masks repeat for the same step and
     call, change with the step, keep 1 - rate of the elements and scale them by
     1 / (1 - rate)."""
-    from strategies.keras_hooks import step_seeded_dropout
+    from tofu_tf.strategies.keras_hooks import step_seeded_dropout
     step = tf.Variable(0, dtype=tf.int64)
     layer = keras.layers.Dropout(0.5, seed=1234)
     config = layer.get_config()
@@ -641,7 +641,7 @@ def test_logs_name_layers_by_their_path(framework):
     """Two blocks with the same layer names (a MultiHeadAttention's query/key/value in every
     block, nested models reusing names): the strategy's log lines named both "norm" or
     "proj"; they name each layer by its path in the layer tree."""
-    from strategies import keras_hooks
+    from tofu_tf.strategies import keras_hooks
     from tofu_tf.tf import keras_adapter
     k = keras_adapter.keras_module(framework)
 

@@ -25,8 +25,8 @@ import tf_keras as keras
 from absl.testing import parameterized
 from tf_keras.src.distribute import keras_correctness_test_base as harness
 
-from strategies import TofuStrategy, keras_hooks
 from tofu_tf.search import plan_graph
+from tofu_tf.strategies import TofuStrategy, keras_hooks
 from tofu_tf.tf.capture import capture_training_step
 
 pytestmark = pytest.mark.slow   # tf-keras's own harness: every model and distribution combination it generates

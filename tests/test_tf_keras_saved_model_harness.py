@@ -16,7 +16,7 @@ import tf_keras as keras
 from tf_keras.src.distribute import saved_model_test_base as harness
 from tf_keras.src.distribute import simple_models
 
-from strategies import TofuStrategy
+from tofu_tf.strategies import TofuStrategy
 
 pytestmark = pytest.mark.slow   # tf-keras's own harness: every model and distribution combination it generates
 

@@ -225,7 +225,7 @@ def test_a_checkpoint_saved_before_the_plan_holds_every_variable(tmp_path):
     waiting for its plan was one, so restoring failed (``Key v/.ATTRIBUTES/VARIABLE_VALUE not
     found``; tf-keras's checkpointing_test). The checkpoint holds the value the plan lays out."""
     import tf_keras
-    from strategies import TofuStrategy
+    from tofu_tf.strategies import TofuStrategy
     strategy = TofuStrategy(8)
     with strategy.scope():
         counter = tf.Variable(3.0)

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from strategies import TofuStrategy
 from tofu_tf import hub_models, semantics
 from tofu_tf.search import plan_graph
+from tofu_tf.strategies import TofuStrategy
 from tofu_tf.tf.capture import capture_training_step
 
 pytestmark = pytest.mark.slow   # trains keras-hub models under TofuStrategy
@@ -38,7 +38,7 @@ WIDTH = 64
 # plan's peak. Gemma's plan then splits its MLP and attention kernels Megatron-style, and failed in its
 # first step in DTensor's reduction expander ("EmitAllScatter ... not more sharded than the
 # original_layout") until each gradient reached the optimizer in its variable's layout
-# (strategies.keras_hooks.relayout_gradients).
+# (tofu_tf.strategies.keras_hooks.relayout_gradients).
 UNDER_BUDGET = frozenset({"t5", "gemma"})
 
 

@@ -199,7 +199,7 @@ class TofuVariable(d_variable.DVariable):
     def _export_to_saved_model_graph(self, object_map, tensor_map, options, **kwargs):
         """Refuse to enter a SavedModel: a DTensor resource (and the ``Relayout`` ops of the
         functions that read it) cannot run in a one-device runtime or TF Serving. A model's
-        own exports go through a one-device copy (``strategies.export``); reaching here means
+        own exports go through a one-device copy (``tofu_tf.strategies.export``); reaching here means
         something else tracked this variable directly."""
         raise DTensorExportError.for_variable(_base_name(self.name))
 
