@@ -11,12 +11,18 @@ a vocabulary head) is captured once and planned three ways on the map's 2-D mesh
 * ``data_parallel``: the baseline, every weight replicated.
 
 It prints modeled step time and peak memory per device, and tofu's ratio to the expert
-plan. All three use the ``ideal`` target: keras-hub's maps split the token embedding's
-rows, which TF's DTensor cannot run (``TofuStrategy(layout_map=...)`` refuses them), so
-on the ``dtensor`` target the expert plan does not exist.
+plan. All three use the ``ideal`` target, where the map's layouts are computed with as
+written (on DTensor, TofuStrategy stores them so but gathers a weight over the data axis
+where it is read, as GSPMD does: docs/design.md).
 
-    python bench/layout_maps.py                       # 8 and 64 devices
-    python bench/layout_maps.py --devices=8 --families=llama,gemma
+Then (``--measure``) each family trains for real on 8 virtual CPUs, one fresh process per
+method (``TofuStrategy(layout_map=get_layout_map(mesh))``, ``TofuStrategy`` on the map's
+mesh, and data parallel), side by side in one run: peak resident memory of the process,
+the training state per device as placed (weights and Adam's slots), and the median step
+time (steps 3 onwards).
+
+    python bench/layout_maps.py                       # 8 and 64 devices, then measured on 8 CPUs
+    python bench/layout_maps.py --devices=8 --families=llama,gemma --nomeasure
 """
 
 import math
@@ -36,7 +42,16 @@ flags.DEFINE_integer("layers", 2, "Transformer layers.")
 flags.DEFINE_integer("vocab", 16384, "Vocabulary size.")
 flags.DEFINE_integer("seq", 256, "Sequence length.")
 flags.DEFINE_integer("batch_size", 64, "Global batch size.")
+flags.DEFINE_bool("measure", True, "Also train each family on 8 virtual CPUs under each method (a process each).")
+flags.DEFINE_integer("measure_hidden", 256, "Hidden width of the measured models.")
+flags.DEFINE_integer("measure_vocab", 8192, "Vocabulary of the measured models.")
+flags.DEFINE_integer("measure_seq", 64, "Sequence length of the measured models.")
+flags.DEFINE_integer("measure_batch", 16, "Global batch of the measured models.")
+flags.DEFINE_integer("measure_steps", 8, "Training steps measured.")
+flags.DEFINE_string("child", "", "Internal: 'family,method' to train and measure in this process.")
 FLAGS = flags.FLAGS
+
+METHODS = ("expert", "tofu", "data_parallel")
 
 
 def _backbone(family):
@@ -97,8 +112,100 @@ def _row(family, n):
     return plans, len(pinned), sum(math.prod(v.shape) for v in graph.weights())
 
 
+def _lm(family, hidden, vocab, layers):
+    """A keras-hub backbone with a vocabulary head, and its class (which holds the map)."""
+    import keras
+    saved = FLAGS.hidden, FLAGS.vocab, FLAGS.layers
+    FLAGS.hidden, FLAGS.vocab, FLAGS.layers = hidden, vocab, layers
+    try:
+        cls, config = _backbone(family)
+    finally:
+        FLAGS.hidden, FLAGS.vocab, FLAGS.layers = saved
+    backbone = cls(**config)
+    return cls, keras.Model(backbone.input, keras.layers.Dense(vocab, name="lm_head")(backbone.output))
+
+
+def _measure_here(family, method):
+    """Train ``family`` under ``method`` in this process; print one JSON line of figures."""
+    import json
+    import resource
+    import statistics
+
+    from tofu_tf.tf import devices
+    devices.provide_devices(8)
+    import keras
+    import numpy as np
+
+    from tofu_tf import TofuStrategy
+    from tofu_tf.tf import keras_adapter
+
+    mesh_shape = {"batch": 2, "model": 4}
+    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), devices=[f"cpu:{i}" for i in range(8)])
+    keras.utils.set_random_seed(0)
+    cls, _ = _backbone(family)            # the class, for its map
+    if method == "expert":
+        strategy = TofuStrategy(8, layout_map=cls.get_layout_map(mesh), plan_cache=False)
+    elif method == "tofu":
+        strategy = TofuStrategy(8, mesh_shape=mesh_shape, plan_cache=False)
+    else:
+        strategy = TofuStrategy(8, method="data_parallel", plan_cache=False)
+    with strategy.scope():
+        _, model = _lm(family, FLAGS.measure_hidden, FLAGS.measure_vocab, FLAGS.layers)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    n, seq = FLAGS.measure_batch * FLAGS.measure_steps, FLAGS.measure_seq
+    x = {"token_ids": rng.integers(0, FLAGS.measure_vocab, (n, seq)).astype("int32"),
+         "padding_mask": np.ones((n, seq), "int32")}
+    y = rng.integers(0, FLAGS.measure_vocab, (n, seq)).astype("int32")
+    ends = []
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            ends.append(time.perf_counter())
+    model.fit(x, y, batch_size=FLAGS.measure_batch, epochs=1, shuffle=False, verbose=0, callbacks=[Steps()])
+    steps = [b - a for a, b in zip(ends, ends[1:])][1:]
+    per_device = total = 0
+    for variable in list(model.weights) + list(model.optimizer.variables):
+        tensor = keras_adapter.tf_variable(variable)
+        nbytes = tensor.shape.num_elements() * tensor.dtype.size
+        sizes = dict(zip(tensor.layout.mesh.dim_names, tensor.layout.mesh.shape()))
+        total += nbytes
+        per_device += nbytes // math.prod(sizes.get(axis, 1) for axis in tensor.layout.sharding_specs)
+    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "state_mib": total / 2**20, "state_per_device_mib": per_device / 2**20,
+                      "step_ms": statistics.median(steps) * 1e3, "mesh": strategy.plan.mesh_shape}), flush=True)
+
+
+def _measured_rows(families):
+    """Each family under each method, one fresh process each, side by side."""
+    import json
+    import subprocess
+    print(f"\nmeasured on 8 virtual CPUs (hidden {FLAGS.measure_hidden}, vocab {FLAGS.measure_vocab}, "
+          f"{FLAGS.layers} layers, seq {FLAGS.measure_seq}, batch {FLAGS.measure_batch}, Adam; a process each)")
+    print(f"{'family':<11}{'method':<15}{'peak RSS MiB':>13}{'state MiB':>11}{'state/dev MiB':>15}{'step ms':>9}  mesh")
+    for family in families:
+        for method in METHODS:
+            command = [sys.executable, os.path.abspath(__file__), f"--child={family},{method}"] + [
+                f"--{name}={getattr(FLAGS, name)}" for name in ("measure_hidden", "measure_vocab", "measure_seq",
+                                                               "measure_batch", "measure_steps", "layers")]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            if done.returncode or not lines:
+                error = [line for line in done.stderr.splitlines() if "Error" in line][-1:] or ["no output"]
+                print(f"{family:<11}{method:<15}  failed: {error[0][:300]}")
+                continue
+            row = json.loads(lines[-1])
+            print(f"{family:<11}{method:<15}{row['peak_rss_mib']:>13.0f}{row['state_mib']:>11.1f}"
+                  f"{row['state_per_device_mib']:>15.1f}{row['step_ms']:>9.1f}  {row['mesh']}", flush=True)
+
+
 def main(argv):
     del argv
+    if FLAGS.child:
+        family, method = FLAGS.child.split(",")
+        _measure_here(family, method)
+        return
     print(f"{'family':<11}{'devices':>8}{'params':>12}{'pinned':>8}  {'method':<18}{'step ms':>9}"
           f"{'peak MiB':>10}{'search s':>10}{'vs expert':>11}")
     for family in FLAGS.families:
@@ -114,6 +221,8 @@ def main(argv):
                 ratio = plan.step_seconds / expert.step_seconds
                 print(f"{family:<11}{n:>8}{params:>12,}{pinned:>8}  {method:<18}{plan.step_seconds * 1e3:>9.3f}"
                       f"{plan.peak_memory_bytes / 2**20:>10.1f}{seconds:>10.2f}{ratio:>10.2f}x")
+    if FLAGS.measure:
+        _measured_rows(FLAGS.families)
 
 
 if __name__ == "__main__":
