@@ -90,7 +90,7 @@ def find_model_in_stack(max_frames: int = 12):
     loop distributing its dataset) says nothing about what the loop trains.
     """
     for frame in _calling_frames(max_frames):
-        if not str(frame.f_globals.get("__name__", "")).startswith(_KERAS_MODULES):
+        if not str(frame.f_globals.get("__name__", "")).startswith(_KERAS_TRAINING_FRAMES):
             continue
         for name in ("model", "self"):
             candidate = frame.f_locals.get(name)
@@ -100,6 +100,11 @@ def find_model_in_stack(max_frames: int = 12):
 
 
 _KERAS_MODULES = ("tf_keras.", "keras.", "keras_hub.")
+# Keras' training machinery, where fit/evaluate/predict hold the model: tf-keras's engine
+# (DataHandler, train_on_batch), Keras 3's trainers, keras-hub's task models. Not all of
+# ``tf_keras``: its distribution test harness (``tf_keras.src.distribute``) holds a local
+# ``model`` too, while it distributes a dataset for another (a loaded SavedModel).
+_KERAS_TRAINING_FRAMES = ("tf_keras.src.engine.", "keras.src.trainers.", "keras.src.backend.", "keras_hub.")
 
 
 def _calling_frames(max_frames: int):

@@ -548,10 +548,51 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 self._plan_from_step(fn, model, args, kwargs)
         args = tf.nest.map_structure(self._to_batch_layout, args)
         kwargs = tf.nest.map_structure(self._to_batch_layout, kwargs)
+        if _captures_off_mesh(fn):
+            return self._run_per_device(fn, args, kwargs)
         with self._container_strategy().scope(), _GlobalReplicaContext(self._container_strategy()):
             result = fn(*args, **kwargs)
         self._check_entries_taken(model)
         return tf.nest.map_structure(_as_distributed_value, result)
+
+    def _run_per_device(self, fn, args, kwargs):
+        """Run ``fn`` once per device on its shard of the inputs, as MirroredStrategy runs a
+        replica (once, on the whole batch, where the batch is not split): for a function whose
+        variables are not on the mesh (a SavedModel loaded outside the strategy's scope), which
+        a DTensor program cannot read. The shards' results are joined on the host: ``run``
+        returns the global value. Eager only: DTensor unpacks shards eagerly."""
+        if not tf.executing_eagerly():
+            raise PlanningError(
+                "the function passed to strategy.run reads variables that are not on TofuStrategy's mesh (made or "
+                "loaded outside strategy.scope()), inside a tf.function: load or create them inside "
+                "strategy.scope(), or call strategy.run eagerly (it then runs once per device)")
+        logging.info("TofuStrategy: %s reads variables that are not on the mesh; it runs once per device on "
+                     "that device's shard of the batch", getattr(fn, "name", getattr(fn, "__name__", "the function")))
+        flat = tf.nest.flatten((args, kwargs))
+        layout = next((dtensor.fetch_layout(value) for value in flat if tf.is_tensor(value)
+                       and dtensor.is_dtensor(value) and value.shape.rank), None)
+        if layout is None:
+            raise PlanningError("the function passed to strategy.run reads variables that are not on TofuStrategy's "
+                                "mesh, and none of its inputs is a batch on the mesh to run it per device on")
+        names = list(layout.mesh.local_devices())
+        shards = [dtensor.unpack(value) if tf.is_tensor(value) and dtensor.is_dtensor(value) else [value] * len(names)
+                  for value in flat]
+        if layout.sharding_specs[0] == dtensor.UNSHARDED:
+            names = names[:1]
+        outputs = []
+        for i, name in enumerate(names):
+            step_args, step_kwargs = tf.nest.pack_sequence_as((args, kwargs), [shard[i] for shard in shards])
+            with tf.device(name), _GlobalReplicaContext(self._container_strategy()):   # a loaded function reads
+                outputs.append(fn(*step_args, **step_kwargs))          # its variables only in a replica context
+        if layout.sharding_specs[0] == dtensor.UNSHARDED:      # a batch the mesh does not divide: run whole
+            return outputs[0]
+
+        def joined(*values):            # the global value, as ``run`` returns it (``_local_results``)
+            if not tf.is_tensor(values[0]) or not values[0].shape.rank:
+                return values[0]
+            with tf.device(devices_lib.host_device()):
+                return tf.concat(values, 0)
+        return tf.nest.map_structure(joined, *outputs)
 
     def _plan_from_step(self, fn, model, args, kwargs) -> None:
         """Plan at the first ``run``: Keras' own step function (``train_on_batch``) as the model
@@ -590,7 +631,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
     def _adopt_data_parallel(self) -> None:
         """A first ``run`` whose function trains nothing a plan could split: it reaches no Keras
         model and no trainable variable was made in the scope (metrics, a reduction, a custom
-        loop's evaluation). It runs as MirroredStrategy would: variables replicated, each batch
+        loop's evaluation, a SavedModel loaded outside the scope). It runs as MirroredStrategy
+        would: variables replicated, each batch
         split over all devices where it divides. No model can be planned by this strategy
         after that (its mesh is fixed): ``_prepare`` refuses one, naming what to do."""
         plan = ModelFreePlan(self._devices.count)
@@ -720,6 +762,19 @@ def _cross_replica(strategy):
         yield
     finally:
         distribute_lib._pop_per_thread_mode()  # pylint: disable=protected-access
+
+
+def _captures_off_mesh(fn) -> bool:
+    """Whether ``fn`` (a concrete function: a SavedModel's signature) captures a variable that
+    is not a DTensor, which a program on the mesh cannot read."""
+    if not hasattr(fn, "captured_inputs"):       # strategy.run's autograph wrapper holds it in its closure
+        fn = next((cell.cell_contents for cell in getattr(fn, "__closure__", None) or ()
+                   if hasattr(cell.cell_contents, "captured_inputs")), fn)
+    captured = getattr(fn, "captured_inputs", None)
+    if not captured:
+        return False
+    return any(tf.is_tensor(value) and value.dtype == tf.resource and not dtensor.is_dtensor(value)
+               for value in captured)
 
 
 def _global_value(value):
