@@ -42,6 +42,7 @@ flags.DEFINE_integer("layers", 2, "Transformer layers.")
 flags.DEFINE_integer("vocab", 16384, "Vocabulary size.")
 flags.DEFINE_integer("seq", 256, "Sequence length.")
 flags.DEFINE_integer("batch_size", 64, "Global batch size.")
+flags.DEFINE_bool("modeled", True, "Plan each family under h100-nvlink (the modeled table).")
 flags.DEFINE_bool("measure", True, "Also train each family on 8 virtual CPUs under each method (a process each).")
 flags.DEFINE_integer("measure_hidden", 256, "Hidden width of the measured models.")
 flags.DEFINE_integer("measure_vocab", 8192, "Vocabulary of the measured models.")
@@ -128,7 +129,6 @@ def _lm(family, hidden, vocab, layers):
 def _measure_here(family, method):
     """Train ``family`` under ``method`` in this process; print one JSON line of figures."""
     import json
-    import resource
     import statistics
 
     from tofu_tf.tf import devices
@@ -172,9 +172,19 @@ def _measure_here(family, method):
         sizes = dict(zip(tensor.layout.mesh.dim_names, tensor.layout.mesh.shape()))
         total += nbytes
         per_device += nbytes // math.prod(sizes.get(axis, 1) for axis in tensor.layout.sharding_specs)
-    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    print(json.dumps({"peak_rss_mib": _peak_rss_mib(),
                       "state_mib": total / 2**20, "state_per_device_mib": per_device / 2**20,
                       "step_ms": statistics.median(steps) * 1e3, "mesh": strategy.plan.mesh_shape}), flush=True)
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident memory (``VmHWM``; ``ru_maxrss`` survives ``exec`` on Linux,
+    so a child would report its parent's peak)."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _measured_rows(families):
@@ -208,7 +218,7 @@ def main(argv):
         return
     print(f"{'family':<11}{'devices':>8}{'params':>12}{'pinned':>8}  {'method':<18}{'step ms':>9}"
           f"{'peak MiB':>10}{'search s':>10}{'vs expert':>11}")
-    for family in FLAGS.families:
+    for family in FLAGS.families if FLAGS.modeled else ():
         for n in map(int, FLAGS.devices):
             try:
                 plans, pinned, params = _row(family, n)
