@@ -566,14 +566,19 @@ def _wrapped_timesteps(layers) -> dict[int, int | None]:
     return steps
 
 
-def relayout_layer_inputs(model, layout_of_kernel, batch_axis, mesh) -> list[str]:
-    """Give each sharded Dense layer and each convolution its input in the layout the plan priced.
+def relayout_layer_inputs(model, kernel_specs, batch_axis, mesh) -> list[str]:
+    """Give each sharded Dense and EinsumDense layer and each convolution its input in the layout
+    the plan priced. ``kernel_specs(kernel)``: the kernel's sharding specs as it is computed with
+    (None where no split needs a hint).
 
     DTensor propagates activation layouts op by op from whatever reaches it, and
     some expanders refuse a mismatch instead of converting. A Dense layer whose
     kernel rows are split on one mesh axis, fed an output split on another: the
     MatMul expander refuses the contraction; its input goes to (batch on the
-    plan's batch axis, features on the kernel's row axis). A convolution fed an
+    plan's batch axis, features on the kernel's row axis). An EinsumDense layer
+    (keras-hub's attention projections) likewise: each input dim its equation
+    contracts with the kernel goes to the kernel's axis for that dim, the leading
+    dim to the batch axis where the kernel does not use it. A convolution fed an
     input with split channels (a Conv1D after a feature-split Embedding): the
     convolution expander refuses it; the lowering target runs convolutions
     batch-split or replicated (``tofu_tf.search.targets``), so its input goes to
@@ -586,10 +591,14 @@ def relayout_layer_inputs(model, layout_of_kernel, batch_axis, mesh) -> list[str
     for path, layer in layer_paths(model):
         if getattr(layer, "_tofu_hinted", False):
             continue
-        feature_axis = _input_feature_axis(layer, layout_of_kernel, dtensor)
-        if feature_axis is None:
-            continue
-        hinted_call = _relayout_first_argument(layer.call, feature_axis, batch_axis, mesh, dtensor)
+        contraction = _einsum_contraction(layer, kernel_specs) if type(layer).__name__ == "EinsumDense" else None
+        if contraction is not None:
+            hinted_call = _relayout_einsum_input(layer.call, contraction, batch_axis, mesh, dtensor)
+        else:
+            feature_axis = _input_feature_axis(layer, kernel_specs, dtensor)
+            if feature_axis is None:
+                continue
+            hinted_call = _relayout_first_argument(layer.call, feature_axis, batch_axis, mesh, dtensor)
         if type(layer).__name__ in _CONVOLUTIONS:
             hinted_call = _relayout_output_gradient(hinted_call, batch_axis, mesh, dtensor)
         layer.call = types.MethodType(hinted_call, layer)
@@ -602,13 +611,83 @@ _CONVOLUTIONS = frozenset({"Conv1D", "Conv2D", "Conv3D", "DepthwiseConv1D", "Dep
                            "SeparableConv2D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose"})
 
 
-def _input_feature_axis(layer, layout_of_kernel, dtensor):
+def _input_feature_axis(layer, kernel_specs, dtensor):
     """The mesh axis (or UNSHARDED) the layer's input features must be on; None: no hint."""
     kind = type(layer).__name__
     if kind in _CONVOLUTIONS:
         return dtensor.UNSHARDED
     kernel = getattr(layer, "kernel", None) if kind == "Dense" else None
-    return layout_of_kernel(kernel) if kernel is not None else None
+    specs = kernel_specs(kernel) if kernel is not None else None
+    if not specs or specs[0] in (None, dtensor.UNSHARDED):
+        return None
+    return specs[0]
+
+
+def _einsum_contraction(layer, kernel_specs):
+    """For a Dense or EinsumDense layer whose kernel is split: its equation's input, kernel and
+    output letters (Dense: ``...i,ij->...j``, the leading letters filled in at call time), the
+    kernel's specs, and the axes it uses. None for any other layer, a replicated kernel, or an
+    equation with an ellipsis."""
+    kind = type(layer).__name__
+    if kind not in ("Dense", "EinsumDense") or getattr(layer, "kernel", None) is None:
+        return None
+    if kind == "Dense":
+        inputs, kernel_letters, outputs = "...i", "ij", "...j"
+    else:
+        equation = str(getattr(layer, "equation", ""))
+        if "." in equation or "," not in equation or "->" not in equation:
+            return None
+        (inputs, kernel_letters), outputs = equation.split("->")[0].split(","), equation.split("->")[1]
+    specs = kernel_specs(layer.kernel)
+    if not specs or len(specs) != len(kernel_letters) or all(a in (None, "unsharded") for a in specs):
+        return None
+    return inputs, kernel_letters, outputs, tuple(specs)
+
+
+def _letters(pattern: str, rank: int) -> str:
+    """``pattern``'s letters for a tensor of ``rank`` dims (Dense's ``...`` filled in)."""
+    return "abcdefgh"[:rank - len(pattern) + 3] + pattern[3:] if pattern.startswith("...") else pattern
+
+
+def _contraction_spec(letters, kernel_letters, specs, shape, batch_axis, mesh, dtensor):
+    """Each dim on the kernel's axis for its letter, the leading dim on the batch axis (where the
+    kernel does not use that axis and it divides the batch), the rest unsplit."""
+    used = {a for a in specs if a not in (None, "unsharded")}
+    spec = [dtensor.UNSHARDED] * len(letters)
+    for i, letter in enumerate(letters):
+        if letter in kernel_letters and specs[kernel_letters.index(letter)] not in (None, "unsharded"):
+            spec[i] = specs[kernel_letters.index(letter)]
+    if spec[0] == dtensor.UNSHARDED and batch_axis is not None and batch_axis not in used and len(letters) > 1 \
+            and shape[0] is not None and shape[0] % mesh.dim_size(batch_axis) == 0:
+        spec[0] = batch_axis
+    return spec
+
+
+def _relayout_einsum_input(call, contraction, batch_axis, mesh, dtensor):
+    """``call`` with its input relaid out as the kernel contracts it, and its output's gradient
+    as the kernel produces it (the backward contraction, dX = dY . W^T, meets the same refusal)."""
+    inputs_pattern, kernel_letters, outputs_pattern, specs = contraction
+
+    def hinted_call(self, inputs, *args, **kwargs):
+        del self
+        letters = _letters(inputs_pattern, inputs.shape.rank)
+        if inputs.shape.rank != len(letters):
+            return call(inputs, *args, **kwargs)
+        spec = _contraction_spec(letters, kernel_letters, specs, inputs.shape, batch_axis, mesh, dtensor)
+        outputs = call(dtensor.relayout(inputs, dtensor.Layout(spec, mesh)), *args, **kwargs)
+        if not isinstance(outputs, tf.Tensor) or outputs.shape.rank is None:
+            return outputs
+        out_letters = _letters(outputs_pattern, outputs.shape.rank)
+        if len(out_letters) != outputs.shape.rank:
+            return outputs
+        layout = dtensor.Layout(_contraction_spec(out_letters, kernel_letters, specs, outputs.shape, batch_axis,
+                                                  mesh, dtensor), mesh)
+
+        @tf.custom_gradient
+        def identity(x):
+            return tf.identity(x), lambda dy: dtensor.relayout(tf.convert_to_tensor(dy), layout)
+        return identity(outputs)
+    return hinted_call
 
 
 def _batch_spec(shape, batch_axis, mesh, dtensor) -> list:

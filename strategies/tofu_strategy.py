@@ -387,17 +387,15 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         if self._lowered is None:
             return
 
-        def row_axis(kernel):
+        def kernel_specs(kernel):
             variable = keras_hooks.backing_variable(kernel)
             read = getattr(variable, "_tofu_read_layout", None)     # stored split, computed gathered
             if read is not None:
-                return read[0]
+                return tuple(read)
             layout = getattr(variable, "layout", None)
-            if layout is None or layout.sharding_specs[0] == dtensor.UNSHARDED:
-                return None
-            return layout.sharding_specs[0]
+            return None if layout is None else tuple(layout.sharding_specs)
 
-        hinted = keras_hooks.relayout_layer_inputs(model, row_axis, self._lowered.batch_axis, self.mesh)
+        hinted = keras_hooks.relayout_layer_inputs(model, kernel_specs, self._lowered.batch_axis, self.mesh)
         if hinted:
             logging.info("TofuStrategy: relayout hints at the inputs of %s", ", ".join(hinted))
 

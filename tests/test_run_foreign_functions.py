@@ -45,3 +45,17 @@ def test_a_savedmodel_loaded_outside_the_scope_serves_under_the_strategy(tmp_pat
     result = strategy.run(serve, args=(data,))
     got = tf.concat(strategy.experimental_local_results(result[name]), 0).numpy()
     np.testing.assert_allclose(got, expected.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_tf_keras_model_in_a_module_named_keras_something_is_tf_keras():
+    """Before, a subclass defined in ``keras_dnn_correctness_test.py`` (tf-keras's own tests) was
+    taken for Keras 3 by its module's name prefix, and failed compiling a Keras 3 optimizer."""
+    from tofu_tf.tf.keras_adapter import framework_of
+
+    class Net(keras.Model):
+        def call(self, x):
+            return x
+    Net.__module__ = "keras_my_models"
+    assert framework_of(Net()) == "tf_keras"
+    import keras as keras3
+    assert framework_of(keras3.Sequential([keras3.layers.Dense(1)])) == "keras3"

@@ -658,7 +658,7 @@ def test_logs_name_layers_by_their_path(framework):
     assert len(paths) == len(list(model._flatten_layers(include_self=False, recursive=True)))
     changed = [change.layer for change in keras_hooks.prepare_for_dtensor(model) if change.change == "fused=False"]
     assert changed == (["block_0/norm", "block_1/norm"] if framework == "tf_keras" else [])   # Keras 3 does not fuse
-    assert keras_hooks.relayout_layer_inputs(model, lambda kernel: "model", "batch", mesh=None) == \
+    assert keras_hooks.relayout_layer_inputs(model, lambda kernel: ("model", None), "batch", mesh=None) == \
         ["block_0/proj", "block_1/proj"]
 
 

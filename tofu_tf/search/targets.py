@@ -82,8 +82,9 @@ refuses operands whose contracted dims are split on different mesh axes
 ("Contracting dimension for matmul has sharding dimension a for the left input
 and b for the right input") instead of relaying one out; a plan that moves a
 feature dim from one axis to another before a Dense layer gets that relayout
-from the strategy (``relayout_layer_inputs``), other contractions
-(``EinsumDense``, attention) do not. Likewise, DTensor cannot relayout a
+from the strategy (``relayout_layer_inputs``), as does an ``EinsumDense``
+layer's input (its contracted dims to the kernel's axes); other contractions
+(attention's own einsums) do not. Likewise, DTensor cannot relayout a
 tensor whose size depends on the data (splitting one leaves each shard with no
 rows; gathering one aborts the process). An Embedding's deduplicated sparse
 gradient is such a tensor; ``TofuVariable.sparse_read`` lays its gradient out

@@ -33,16 +33,14 @@ class SlotRecord:
 
 
 def framework_of(model) -> str:
-    """``"tf_keras"`` or ``"keras3"``; raises for anything else."""
-    module = type(model).__module__
-    if module.startswith("tf_keras"):
-        return "tf_keras"
-    if module.startswith("keras"):
-        return "keras3"
+    """``"tf_keras"`` or ``"keras3"``, by the first class in the model's MRO that a Keras package
+    defines (keras-hub's are Keras 3); raises for anything else. Packages, not name prefixes: a
+    user's ``keras_models.py`` subclassing ``tf_keras.Model`` is tf-keras."""
     for base in type(model).__mro__:
-        if base.__module__.startswith("tf_keras"):
+        package = base.__module__.split(".", 1)[0]
+        if package == "tf_keras":
             return "tf_keras"
-        if base.__module__.startswith("keras"):
+        if package in ("keras", "keras_hub"):
             return "keras3"
     raise UnsupportedModelError(
         f"{type(model).__name__} is not a Keras model (tf_keras or Keras 3). "
