@@ -297,7 +297,7 @@ def test_dropout_masks_are_stateless_fresh_each_step_and_at_the_rate():
     """On one device: the replacement generator's masks repeat for the same step and
     call, change with the step, keep 1 - rate of the elements and scale them by
     1 / (1 - rate)."""
-    from tofu_tf.strategies.keras_hooks import step_seeded_dropout
+    from tofu_tf.tf.compat.layers import step_seeded_dropout
     step = tf.Variable(0, dtype=tf.int64)
     layer = keras.layers.Dropout(0.5, seed=1234)
     config = layer.get_config()
