@@ -2,7 +2,7 @@
 
 A model TofuStrategy trains computes with DTensor: its weights are DTensor
 variables on the mesh and some layers relayout their inputs
-(``keras_hooks.relayout_layer_inputs``). A SavedModel traced from it holds
+(``tofu_tf.tf.compat.layers.relayout_layer_inputs``). A SavedModel traced from it holds
 ``Relayout`` ops and DTensor resources, and no one-device runtime (a fresh
 process, TF Serving) can run it: ``No OpKernel was registered to support Op
 'Relayout'``. So every SavedModel export of such a model is made from a
@@ -16,7 +16,8 @@ keys, object graph and Keras metadata (a one-device run that trained also leaves
 a trace of its optimizer's XLA update step in the graph; the copy never stepped).
 
 The user's calls stay unchanged, each reaching the copy through a hook ``install``
-puts on the model (``keras_hooks.prepare_for_dtensor`` installs them):
+puts on the model (``keras_hooks.prepare_for_dtensor`` installs them; the change
+"savedmodel_from_copy" of ``tofu_tf.tf.compat.registry``):
 
 * ``model._trackable_children``: for a SavedModel (and only then: checkpoints
   keep their format) the model lists the copy's children, so the copy's layers,

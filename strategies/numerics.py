@@ -453,7 +453,7 @@ def _random_layers(model) -> tuple[RandomLayer, ...]:
     """Layers drawing random values in training, with their rate: Dropout and its kin,
     noise layers, random augmentations, and recurrent cells' dropout."""
     found = []
-    for path, layer in keras_hooks.layer_paths(model):
+    for path, layer in keras_adapter.layer_paths(model):
         kind = type(layer).__name__
         if "Dropout" in kind:
             found.append(RandomLayer(path, kind, float(getattr(layer, "rate", 0.0))))

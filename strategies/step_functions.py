@@ -35,7 +35,8 @@ _KINDS = ("train", "test", "predict")
 def install(model, placer_of) -> bool:
     """Give ``model`` TofuStrategy's train, test and predict functions (both Keras
     versions). ``placer_of()`` returns the strategy's current ``BatchPlacer`` (the plan
-    may come after this call). True when it changed the model."""
+    may come after this call). True when it changed the model: the change "step_functions"
+    (``tofu_tf.tf.compat.registry``)."""
     if getattr(model, "_tofu_step_functions", False):
         return False
     keras3 = not any(base.__module__.startswith("tf_keras") for base in type(model).__mro__)

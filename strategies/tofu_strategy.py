@@ -59,6 +59,10 @@ from tofu_tf.tf import devices as devices_lib
 from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import lowering
 from tofu_tf.tf import variables as variables_lib
+from tofu_tf.tf import compat
+from tofu_tf.tf.compat import layers as compat_layers
+from tofu_tf.tf.compat import optimizers as compat_optimizers
+from tofu_tf.tf.compat import process as compat_process
 
 
 class PlanningError(TofuError, RuntimeError):
@@ -121,6 +125,14 @@ class TofuStrategy(distribute_lib.Strategy):
     def plan(self):
         """The plan in force (None until the first step or ``plan_model``)."""
         return self.extended._plan
+
+    @property
+    def changes(self) -> tuple:
+        """What this strategy changed on the user's objects so DTensor can run them, in the order
+        made: ``tofu_tf.tf.compat.Applied`` records (the registered change, the layer, model or
+        optimizer it was made to, and how), each also logged at INFO when made. Every change
+        tofu_tf can make is listed in docs/compatibility.md."""
+        return tuple(self.extended._changes)
 
     @property
     def _mesh(self):
@@ -244,6 +256,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._lowered = None
         self._deferred: list[variables_lib.DeferredVariable] = []
         self._passthrough = False
+        self._changes: list[compat.Applied] = []
         # The models prepared for DTensor, weakly: an id() would outlive its model, and a new model
         # given the same id after garbage collection would skip its preparation.
         self._prepared: weakref.WeakSet = weakref.WeakSet()
@@ -263,7 +276,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         super().__init__(container_strategy, self._provisional)
         # tf-keras keeps a fixed `keras.Input(batch_size=...)` global when this is set.
         self._global_batch_size = True
-        keras_hooks.summarize_unplanned_weights()
+        compat_process.hold_summary_printer(container_strategy)   # undone when no TofuStrategy is alive
         if plan is not None:
             self._adopt(plan)
 
@@ -319,7 +332,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                      self._devices.count, self._devices.device_type)
         self._prepare(model)
         if not isinstance(optimizer, str):       # a custom loop's own optimizer
-            keras_hooks.relayout_gradients(optimizer)
+            self._record(compat_optimizers.relayout_gradients(optimizer))
         self._plan_names = keras_adapter.weight_paths(model)
         start = time.perf_counter()
         with self._creating_plain_variables():
@@ -358,14 +371,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
     def _prepare(self, model) -> None:
         optimizer = getattr(model, "optimizer", None)
-        if keras_adapter.adopt_optimizer(optimizer, self._container_strategy()):
-            logging.info("TofuStrategy: optimizer %s was created outside strategy.scope(); it now updates "
-                         "through the strategy as if created inside", getattr(optimizer, "name", optimizer))
-        keras_adapter.defer_slot_zeros(optimizer)
-        keras_hooks.relayout_gradients(optimizer)
-        if keras_hooks.update_moving_averages(optimizer):
-            logging.info("TofuStrategy: optimizer %s: use_ema moving averages updated after each step (tf-keras' "
-                         "DTensor path skips them)", optimizer.name)
+        self._record(compat_optimizers.adopt_optimizer(optimizer, self._container_strategy()),
+                     compat_optimizers.defer_slot_zeros(optimizer),
+                     compat_optimizers.relayout_gradients(optimizer),
+                     compat_optimizers.update_moving_averages(optimizer))
         if model in self._prepared:
             self._hint_layouts(model)
             return
@@ -375,12 +384,20 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 f"variable replicated, and {model.name} would train unpartitioned: plan {model.name} before that "
                 "first run (strategy.plan_model(model, batch_size=...)), or train it under a TofuStrategy of its own.")
         self._prepared.add(model)
-        for change in keras_hooks.prepare_for_dtensor(model):
-            logging.info("TofuStrategy: layer %s: %s (%s)", change.layer, change.change, change.reason)
+        self._record(*keras_hooks.prepare_for_dtensor(model))
         if step_functions.install(model, self._placer):
-            logging.info("TofuStrategy: %s: fit/evaluate/predict run one batch at a time, one program per "
-                         "input signature (a partial last batch included)", model.name)
+            self._record(compat.Applied(compat.change("step_functions"), model.name,
+                                        "fit/evaluate/predict run one batch at a time, one program per "
+                                        "input signature (a partial last batch included)"))
         self._hint_layouts(model)
+
+    def _record(self, *changes) -> None:
+        """Log the changes made to the user's objects (None: nothing changed) and keep them
+        for ``TofuStrategy.changes``."""
+        for applied in changes:
+            if applied is not None:
+                logging.info("TofuStrategy: %s", applied)
+                self._changes.append(applied)
 
     def _hint_layouts(self, model) -> None:
         """Once the plan exists: explicit input relayouts at sharded Dense layers and at convolutions."""
@@ -388,16 +405,14 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             return
 
         def kernel_specs(kernel):
-            variable = keras_hooks.backing_variable(kernel)
+            variable = keras_adapter.backing_variable(kernel)
             read = getattr(variable, "_tofu_read_layout", None)     # stored split, computed gathered
             if read is not None:
                 return tuple(read)
             layout = getattr(variable, "layout", None)
             return None if layout is None else tuple(layout.sharding_specs)
 
-        hinted = keras_hooks.relayout_layer_inputs(model, kernel_specs, self._lowered.batch_axis, self.mesh)
-        if hinted:
-            logging.info("TofuStrategy: relayout hints at the inputs of %s", ", ".join(hinted))
+        self._record(*compat_layers.relayout_layer_inputs(model, kernel_specs, self._lowered.batch_axis, self.mesh))
 
     @contextlib.contextmanager
     def _creating_plain_variables(self):
@@ -420,7 +435,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         dtype = tf.as_dtype(dtype) if dtype is not None else _initial_dtype(initial_value)
         path = _scoped_path(kwargs.get("name"))
         if self._lowered is None:
-            keras_hooks.summarize_unplanned_weights()   # tf-keras may be imported after the strategy was made
+            compat_process.SUMMARY_PRINTER.refresh()    # tf-keras may be imported after the strategy was made
             variable = variables_lib.DeferredVariable(
                 initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
                 trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
@@ -675,7 +690,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 def _created_variable(weight):
     """The variable this strategy created behind a model's weight (Keras 3 wraps it in
     ``.value``; tf-keras mixed precision in an ``AutoCastVariable``)."""
-    variable = keras_hooks.backing_variable(weight)
+    variable = keras_adapter.backing_variable(weight)
     return getattr(variable, "_variable", variable)
 
 

@@ -297,7 +297,7 @@ def test_dropout_masks_are_stateless_fresh_each_step_and_at_the_rate():
     """On one device: the replacement generator's masks repeat for the same step and
     call, change with the step, keep 1 - rate of the elements and scale them by
     1 / (1 - rate)."""
-    from tofu_tf.strategies.keras_hooks import step_seeded_dropout
+    from tofu_tf.tf.compat.layers import step_seeded_dropout
     step = tf.Variable(0, dtype=tf.int64)
     layer = keras.layers.Dropout(0.5, seed=1234)
     config = layer.get_config()
@@ -643,6 +643,7 @@ def test_logs_name_layers_by_their_path(framework):
     "proj"; they name each layer by its path in the layer tree."""
     from tofu_tf.strategies import keras_hooks
     from tofu_tf.tf import keras_adapter
+    from tofu_tf.tf.compat import layers as compat_layers
     k = keras_adapter.keras_module(framework)
 
     def block(i):
@@ -653,13 +654,14 @@ def test_logs_name_layers_by_their_path(framework):
 
     x = k.Input((4, 8))
     model = k.Model(x, block(1)(block(0)(x)))
-    paths = dict(keras_hooks.layer_paths(model))
+    paths = dict(keras_adapter.layer_paths(model))
     assert {"block_0/attention/query", "block_1/attention/query"} <= set(paths)
     assert len(paths) == len(list(model._flatten_layers(include_self=False, recursive=True)))
-    changed = [change.layer for change in keras_hooks.prepare_for_dtensor(model) if change.change == "fused=False"]
+    changed = [applied.target for applied in keras_hooks.prepare_for_dtensor(model)
+               if applied.change.name == "layer_norm_unfused"]
     assert changed == (["block_0/norm", "block_1/norm"] if framework == "tf_keras" else [])   # Keras 3 does not fuse
-    assert keras_hooks.relayout_layer_inputs(model, lambda kernel: ("model", None), "batch", mesh=None) == \
-        ["block_0/proj", "block_1/proj"]
+    hinted = compat_layers.relayout_layer_inputs(model, lambda kernel: ("model", None), "batch", mesh=None)
+    assert [applied.target for applied in hinted] == ["block_0/proj", "block_1/proj"]
 
 
 def test_the_strategy_holds_the_models_it_prepared_weakly():

@@ -13,6 +13,7 @@ from tensorflow.experimental import dtensor
 
 from tofu_tf.tf import devices, keras_adapter, lowering
 from tofu_tf.tf import variables as variables_lib
+from tofu_tf.tf.compat import optimizers as compat_optimizers
 
 
 def _mesh():
@@ -61,8 +62,8 @@ def test_tf_keras_slots_are_requested_as_deferred_zeros():
     """The optimizer asks for slots without computing them: no full-size tf.zeros."""
     weight = tf.Variable(tf.ones((16, 4)), name="w")
     optimizer = keras.optimizers.Adam(0.1)
-    keras_adapter.defer_slot_zeros(optimizer)
-    keras_adapter.defer_slot_zeros(optimizer)  # idempotent: one wrapper, not two
+    assert compat_optimizers.defer_slot_zeros(optimizer).change.name == "slot_zeros_deferred"
+    assert compat_optimizers.defer_slot_zeros(optimizer) is None  # idempotent: one wrapper, not two
     requested = []
 
     def creator(next_creator, **kwargs):

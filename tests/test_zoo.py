@@ -38,7 +38,7 @@ WIDTH = 64
 # plan's peak. Gemma's plan then splits its MLP and attention kernels Megatron-style, and failed in its
 # first step in DTensor's reduction expander ("EmitAllScatter ... not more sharded than the
 # original_layout") until each gradient reached the optimizer in its variable's layout
-# (tofu_tf.strategies.keras_hooks.relayout_gradients).
+# (tofu_tf.tf.compat.optimizers.relayout_gradients).
 UNDER_BUDGET = frozenset({"t5", "gemma"})
 
 

@@ -17,7 +17,7 @@ machines:
   gradient of a convolution's output (a ViT's patch embedding), and its
   ``Conv2DBackpropFilter`` expander refuses that gradient in any layout but a
   batch-parallel one; the strategy relays it out as priced
-  (``tofu_tf.strategies.keras_hooks.relayout_layer_inputs``);
+  (``tofu_tf.tf.compat.layers.relayout_layer_inputs``);
 * ``Split``/``SplitV`` never split the dim they cut along;
 * ``Pack``/``Unpack`` never split the dim they stack along;
 * variables read by an LSTM/GRU cell (ops whose Keras layer is an LSTM or GRU
@@ -94,7 +94,7 @@ Megatron-style (Gemma's MLP: a kernel gradient's ``Sum`` over the batch asked
 for the kernel's column split while its input carries the row split), the
 reduce expander refuses as above; every dense gradient reaches the optimizer
 through an explicit relayout to its variable's layout
-(``tofu_tf.strategies.keras_hooks.relayout_gradients``), which ends the requests
+(``tofu_tf.tf.compat.optimizers.relayout_gradients``), which ends the requests
 there.
 
 The search applies a target as a wrapper around the strategy provider, a set of

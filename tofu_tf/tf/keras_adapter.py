@@ -1,10 +1,13 @@
 """What tofu_tf needs to know about a Keras model, in one place.
 
 tf-keras (Keras 2) and Keras 3 name variables, build optimizers and create
-optimizer slots differently. Everything that depends on those differences --
-and every touch of a Keras-private attribute -- lives here, so a Keras upgrade
-changes one file. Nothing here plans or lowers; it only answers questions
-about a model and runs its forward pass.
+optimizer slots differently. Everything capture and the strategy ask of a model
+that depends on those differences lives here. Nothing here plans or lowers; it
+only answers questions about a model and runs its forward pass. What it changes
+(on capture's own copies, or on the user's optimizer for the time of a capture)
+is registered in ``tofu_tf.tf.compat.registry`` under the names these functions
+give; the changes the strategy makes to a model for training are in
+``tofu_tf.tf.compat`` itself.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Callable, Iterator
 import tensorflow as tf
 
 from tofu_tf.errors import TofuError
+from tofu_tf.tf.compat import process as compat_process
 
 
 class UnsupportedModelError(TofuError, TypeError):
@@ -92,6 +96,33 @@ class UniquePaths:
     def by_id(self) -> dict[int, str]:
         """id(tf.Variable) -> name, for every variable named so far."""
         return dict(self._by_variable)
+
+
+def backing_variable(variable):
+    """The tf.Variable behind a Keras variable (Keras 3 wraps one in ``.value``)."""
+    inner = getattr(variable, "value", None)
+    return inner if isinstance(inner, tf.Variable) else variable
+
+
+def layer_paths(model) -> list[tuple[str, object]]:
+    """Every layer of ``model`` (recursively, in ``_flatten_layers``' order) with its path
+    in the layer tree, ``block_0/attention/query``: what logs name a layer by.
+
+    Names alone repeat: a MultiHeadAttention (tf-keras and Keras 3) names its projections
+    query, key and value in every block, and nested models may reuse their layers' names.
+    A layer reached through two parents keeps the first path.
+    """
+    found: dict[int, str] = {}
+
+    def walk(layer, prefix):
+        for child in layer._flatten_layers(include_self=False, recursive=False):  # pylint: disable=protected-access
+            if id(child) not in found:
+                found[id(child)] = prefix + child.name
+                walk(child, found[id(child)] + "/")
+
+    walk(model, "")
+    layers = model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
+    return [(found.get(id(layer), layer.name), layer) for layer in layers]
 
 
 def weight_paths(model) -> dict[int, str]:
@@ -272,7 +303,7 @@ def get_loss(framework: str, loss) -> Callable:
     distribution strategy unless ``compile``'s loss container has marked it, which the
     container does at the model's first step; capture runs before that, inside the
     strategy's scope. The copy has the user's configuration and the container's mark;
-    the user's object is left as it was.
+    the user's object is left as it was. The change "loss_copy_marked".
     """
     if isinstance(loss, (dict, list, tuple)):
         raise ValueError(
@@ -388,7 +419,7 @@ def recording_slots(optimizer, *, defer_zeros: bool = False) -> Iterator[list[Sl
 
     Both Keras versions create slots through ``add_variable_from_reference``;
     wrapping it on this (capture-only) instance is the one reliable link from
-    slot to weight.
+    slot to weight. The change "slots_recorded".
     """
     records: list[SlotRecord] = []
     if is_legacy_optimizer(optimizer):
@@ -398,9 +429,9 @@ def recording_slots(optimizer, *, defer_zeros: bool = False) -> Iterator[list[Sl
     original = optimizer.add_variable_from_reference
 
     def wrapper(*args, **kwargs):
-        reference, name = _slot_reference_and_name(args, kwargs)
+        reference, name = slot_reference_and_name(args, kwargs)
         if defer_zeros:
-            _defer_default_zeros(reference, args, kwargs)
+            defer_default_zeros(reference, args, kwargs)
         slot = original(*args, **kwargs)
         records.append(SlotRecord(slot=tf_variable(slot), weight=tf_variable(reference), slot_name=str(name)))
         return slot
@@ -490,6 +521,7 @@ def redirected_updates(optimizer, apply: Callable) -> Iterator[None]:
     calls the user's optimizer; building that optimizer in a trace would leave it holding
     capture's buffer-less handles. The methods are replaced on this instance only (the
     strategy's own instance-level wrappers are kept and put back) and restored on exit.
+    The change "updates_redirected".
     """
     names = ("apply_gradients", "apply") if hasattr(optimizer, "apply") and \
         not is_legacy_optimizer(optimizer) else ("apply_gradients",)
@@ -542,75 +574,7 @@ def _recording_legacy_slots(optimizer, records: list[SlotRecord]) -> Iterator[No
         del optimizer.add_slot
 
 
-def defer_slot_zeros(optimizer) -> None:
-    """Make a tf-keras optimizer hand its zero-initialized slots a ``DeferredZeros``.
-
-    Its ``add_variable_from_reference`` otherwise builds ``tf.zeros(weight.shape)``
-    eagerly, a full-size slot on one device, before any variable creator can
-    choose a layout. Idempotent; Keras 3 optimizers are left alone.
-    """
-    if optimizer is None or getattr(optimizer, "_tofu_defers_zeros", False):
-        return
-    if not type(optimizer).__module__.startswith("tf_keras") or is_legacy_optimizer(optimizer):
-        return                  # a legacy optimizer's slot initial values are shape-carrying partials
-    if not hasattr(optimizer, "add_variable_from_reference"):
-        return                  # a TF1 optimizer (tf.compat.v1.train) wrapped in TFOptimizer: its own slots
-    original = optimizer.add_variable_from_reference
-
-    def wrapper(*args, **kwargs):
-        reference, _ = _slot_reference_and_name(args, kwargs)
-        _defer_default_zeros(reference, args, kwargs)
-        return original(*args, **kwargs)
-
-    optimizer.add_variable_from_reference = wrapper
-    optimizer._tofu_defers_zeros = True  # pylint: disable=protected-access
-
-
-def adopt_optimizer(optimizer, strategy) -> bool:
-    """Make a tf-keras optimizer built before ``strategy.scope()`` act as one built inside it.
-
-    A tf-keras optimizer records the strategy current when it is constructed, and makes
-    its step counter and learning-rate variables then. One made before the scope
-    (``opt = Adam(1e-3)`` at the top of a script, then ``model.compile(optimizer=opt)``
-    inside it: fine under MirroredStrategy) would send its updates through the default
-    strategy's ``merge_call``, which nests strategy scopes inside TofuStrategy's global
-    DTensor step and fails, and its counter would be a plain variable, outside the
-    strategy's care (its in-step increment was lost: Adam's bias correction drifted).
-    So the optimizer records ``strategy`` and takes the DTensor path, as it would have
-    inside the scope, and its counter and learning rate are made again under the
-    scope with their current values. True when it changed the optimizer.
-    """
-    if optimizer is None or not type(optimizer).__module__.startswith("tf_keras"):
-        return False
-    if not hasattr(optimizer, "_run_with_dtensor") or optimizer._distribution_strategy is strategy:
-        return False
-    optimizer._distribution_strategy = strategy  # pylint: disable=protected-access
-    optimizer._run_with_dtensor = True  # pylint: disable=protected-access
-    with strategy.scope():
-        _remake(optimizer, "_iterations", optimizer._create_iteration_variable)  # pylint: disable=protected-access
-        learning_rate = optimizer._learning_rate  # pylint: disable=protected-access
-        if isinstance(learning_rate, tf.Variable):
-            _remake(optimizer, "_learning_rate",
-                    lambda: setattr(optimizer, "_learning_rate",
-                                    optimizer._build_learning_rate(float(learning_rate.numpy()))))
-        elif hasattr(optimizer, "_current_learning_rate"):  # a LearningRateSchedule
-            _remake(optimizer, "_current_learning_rate", lambda: optimizer._build_learning_rate(learning_rate))
-    return True
-
-
-def _remake(optimizer, attribute: str, make) -> None:
-    """Make ``optimizer.<attribute>`` (a variable) again, with its value, where the old one was
-    in the optimizer's variable list (checkpoints and ``get_weights`` keep their order)."""
-    old = getattr(optimizer, attribute)
-    value = old.numpy()
-    make()
-    new = getattr(optimizer, attribute)
-    new.assign(value)
-    variables = [v for v in optimizer._variables if v is not new]  # pylint: disable=protected-access
-    optimizer._variables = [new if v is old else v for v in variables]  # pylint: disable=protected-access
-
-
-def _slot_reference_and_name(args, kwargs):
+def slot_reference_and_name(args, kwargs):
     # tf-keras calls add_variable_from_reference as (model_variable,
     # variable_name), Keras 3 as (reference_variable, name); positionally or by keyword.
     named = dict(zip(("reference", "name"), args))
@@ -619,7 +583,7 @@ def _slot_reference_and_name(args, kwargs):
     return reference, name
 
 
-def _defer_default_zeros(reference, args, kwargs) -> None:
+def defer_default_zeros(reference, args, kwargs) -> None:
     """Replace the default (zeros) initial value of a slot by a ``DeferredZeros``, in ``kwargs``."""
     if len(args) >= 4 or kwargs.get("initial_value") is not None:
         return
@@ -634,7 +598,8 @@ def keras3_shape_and_dtype(initial_value) -> tuple[tf.TensorShape, tf.DType] | N
     Keras 3 (TensorFlow backend) creates its ``tf.Variable`` from
     ``lambda: initializer(self._shape, dtype=self._dtype)``; the closure holds
     the Keras variable, which knows shape and dtype without running the
-    initializer (a full-size value) just to learn them.
+    initializer (a full-size value) just to learn them. The private read
+    "keras3_initializer_read".
     """
     for cell in getattr(initial_value, "__closure__", None) or ():
         try:
@@ -701,28 +666,22 @@ def recording_layer_scopes(framework: str, model) -> Iterator[LayerScopes]:
     if framework == "tf_keras":
         yield scopes
         return
-    from keras.src.backend.tensorflow import core
-    enter = core.name_scope.__enter__
 
-    def recording_enter(self):
-        result = enter(self)
-        if getattr(self.caller, "name", None) in scopes.names:
-            path = tf.compat.v1.get_default_graph().get_name_scope()
-            scopes.entered[tuple(path.split("/"))] = self.caller.name
-        return result
+    def record(caller, path):
+        if getattr(caller, "name", None) in scopes.names:
+            scopes.entered[tuple(path.split("/"))] = caller.name
 
-    core.name_scope.__enter__ = recording_enter
-    try:
+    with compat_process.recording_keras3_scopes(record):     # the change "layer_scopes_recorded"
         yield scopes
-    finally:
-        core.name_scope.__enter__ = enter
 
 
 def ensure_tf_keras_seeded() -> int | None:
     """tf-keras draws sharded initial values only from its global seed generator
     (so every shard, on every client, follows one random stream). If the user
     has not seeded it, seed it from numpy's generator -- which the user's own
-    ``np.random.seed`` or ``set_random_seed`` fixes -- and return the seed."""
+    ``np.random.seed`` or ``set_random_seed`` fixes -- and return the seed. The change
+    "tf_keras_seeded": process-wide, as ``set_random_seed`` is (Python's ``random``,
+    numpy, TensorFlow's global seed)."""
     from tf_keras.src import backend as tf_keras_backend
     if getattr(tf_keras_backend._SEED_GENERATOR, "generator", None):  # pylint: disable=protected-access
         return None

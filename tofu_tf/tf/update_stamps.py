@@ -80,7 +80,7 @@ class UpdateRecorder:
         if not enabled or not _stamps_safely(self._optimizer):
             yield self
             return
-        original = self._optimizer.update_step
+        original = self._optimizer.update_step           # the change "update_step_stamped"
 
         def update_step(gradient, variable, *args, **kwargs):
             return self._update(original, gradient, variable, args, kwargs)

@@ -22,10 +22,8 @@ Two problems live here, and only here:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import threading
 import weakref
 
 import numpy as np
@@ -33,53 +31,28 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.dtensor.python import d_variable
 from tensorflow.experimental import dtensor
-from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
+from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import constants as trackable_constants
 
 from tofu_tf.errors import TofuError
 from tofu_tf.tf import devices, keras_adapter
+from tofu_tf.tf.compat import process as compat_process
 
 
-# The debug name every TofuVariable's handle op carries (see ``_one_handle_program_per_shape``).
+# The debug name every TofuVariable's handle op carries: DTensor runs each eager op as a small
+# SPMD program, cached by the op's attributes, and TensorFlow gives a variable's VarHandleOp the
+# variable's name as its debug_name, so every variable missed the cache and compiled its own
+# handle program (about 9 ms per variable on 8 virtual CPUs, a second of a small keras-hub
+# model's first fit). With one debug name the program is compiled once per shape and layout.
+# The variable's ``name`` is unchanged. The change "handle_debug_name" (tofu_tf.tf.compat).
 HANDLE_DEBUG_NAME = "tofu_variable"
-_HANDLE_PATCH_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _one_handle_program_per_shape():
-    """Variable handles made while this is active carry one debug name.
-
-    DTensor runs each eager op as a small SPMD program, cached by the op's attributes.
-    TensorFlow gives a variable's ``VarHandleOp`` the variable's name as its
-    ``debug_name`` attribute, so every variable missed the cache and compiled its own
-    handle program: about 9 ms per variable on 8 virtual CPUs, a second of a small
-    keras-hub model's first ``fit`` (136 weights and slots, a few dozen shapes). With
-    one debug name the program is compiled once per shape and layout. The variable's
-    ``name`` is unchanged; the attribute only names the resource in TensorFlow's own
-    messages about it (an uninitialized read). TF-private: ``var_handle_op`` is
-    called by keyword from ``resource_variable_ops``; ``tests/test_variables.py``
-    checks that the handle still carries this name, so a TF upgrade that calls it
-    otherwise fails there.
-    """
-    with _HANDLE_PATCH_LOCK:
-        original = gen_resource_variable_ops.var_handle_op
-
-        def var_handle_op(*args, **kwargs):
-            if "debug_name" in kwargs:
-                kwargs["debug_name"] = HANDLE_DEBUG_NAME
-            return original(*args, **kwargs)
-        gen_resource_variable_ops.var_handle_op = var_handle_op
-        try:
-            yield
-        finally:
-            gen_resource_variable_ops.var_handle_op = original
 
 
 class TofuVariable(d_variable.DVariable):
     """A DTensor variable whose in-graph reads see its in-graph writes."""
 
     def __init__(self, *args, **kwargs):
-        with _one_handle_program_per_shape():
+        with compat_process.one_handle_debug_name(HANDLE_DEBUG_NAME):
             super().__init__(*args, **kwargs)
 
     def __getitem__(self, spec):
@@ -528,7 +501,7 @@ def _become(variable, fresh: TofuVariable) -> TofuVariable:
     state.update((key, value) for key, value in variable.__dict__.items() if key.startswith("_self_"))
     variable.__dict__.clear()
     variable.__dict__.update(state)
-    variable.__class__ = TofuVariable
+    variable.__class__ = TofuVariable                # the change "variable_reads_forward_writes"
     return variable
 
 

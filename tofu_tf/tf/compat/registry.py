@@ -1,0 +1,311 @@
+"""The registry: every change tofu_tf makes to TensorFlow and Keras objects, as data.
+
+Each ``Change`` says what it replaces, where that lives in the framework (``targets``:
+attribute paths a test resolves in the installed packages, so an upgrade that renames one
+fails there, naming the change), how far it reaches (``Scope``), when it is undone, why it
+is needed, and which packages' tested releases it was checked on (``tofu_tf.versions.TESTED``).
+``site`` names the module that makes the change; the module names the change back
+(``change("...")``), and ``tests/test_compat.py`` checks both directions, and that
+docs/compatibility.md lists every entry.
+
+``CHANGES`` is a plain tuple: nothing registers itself at import. This module imports no
+TensorFlow (resolving a target imports the framework module it names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+
+from tofu_tf import versions
+
+
+class Scope(enum.Enum):
+    """How far a change reaches, which is also when it goes away."""
+
+    LAYER = "per layer"                  # one layer of the strategy's model, for the model's life
+    MODEL = "per model"                  # the strategy's model itself
+    OPTIMIZER = "per optimizer"          # the model's (or a custom loop's) optimizer
+    VARIABLE = "per variable"            # the variables the strategy creates
+    CAPTURE = "during capture"           # while a step is traced for planning, then restored
+    CREATION = "during variable creation"  # while one variable is made, on the calling thread only
+    PROCESS = "process-wide"             # every model in the process, while a TofuStrategy is alive
+    READ = "read only"                   # a private attribute read, nothing changed
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One change to TensorFlow or Keras objects.
+
+    Attributes:
+        name: the change's identifier (``strategy.changes``, logs and docs name it so).
+        replaces: what is replaced or set, in words (``BatchNormalization.fused, ._moments``).
+        targets: the framework attributes involved, as ``"module:Attribute.path"``; each must
+            resolve in the installed packages (``resolve``).
+        scope: how far it reaches.
+        undone: when (and whether) the original comes back.
+        why: what fails without it.
+        packages: the distributions whose tested releases (``versions.TESTED``) it was checked on.
+        site: the module that makes it.
+    """
+
+    name: str
+    replaces: str
+    targets: tuple[str, ...]
+    scope: Scope
+    undone: str
+    why: str
+    packages: tuple[str, ...]
+    site: str
+
+    @property
+    def checked_on(self) -> str:
+        """The tested releases this change was checked on, ``"tf-keras>=2.21,<2.22"``."""
+        return ", ".join(f"{package}{versions.TESTED[package]}" for package in self.packages)
+
+
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    """A change made to one object: ``change`` applied to ``target`` (a layer's path in its
+    model, a model's or an optimizer's name), with the value it took (``detail``)."""
+
+    change: Change
+    target: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        detail = f": {self.detail}" if self.detail else ""
+        return f"{self.target}: {self.change.name}{detail} ({self.change.why})"
+
+
+_LIFETIME = "never: it is how the strategy runs this object, for the object's life"
+_CAPTURE_ONLY = "on exit of the capture, also on error"
+
+CHANGES: tuple[Change, ...] = (
+    # -- per layer: what DTensor cannot expand, rewritten without changing the math ---------------
+    Change(
+        name="batch_norm_unfused",
+        replaces="tf-keras BatchNormalization: fused=False; _moments and _assign_moving_average wrapped",
+        targets=("tf_keras.src.layers.normalization.batch_normalization:BatchNormalizationBase._moments",
+                 "tf_keras.src.layers.normalization.batch_normalization:"
+                 "BatchNormalizationBase._assign_moving_average"),
+        scope=Scope.LAYER, undone=_LIFETIME,
+        why="DTensor has no layout propagation for FusedBatchNormV3; the unfused ops compute the same, "
+            "and the wrappers keep the fused kernel's Bessel-corrected moving variance",
+        packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.compat.layers"),
+    Change(
+        name="layer_norm_unfused",
+        replaces="tf-keras LayerNormalization: _fused=False",
+        targets=("tf_keras.src.layers.normalization.layer_normalization:LayerNormalization._fused_can_be_used",),
+        scope=Scope.LAYER, undone=_LIFETIME,
+        why="tf-keras runs LayerNormalization through FusedBatchNormV3, which DTensor cannot expand",
+        packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.compat.layers"),
+    Change(
+        name="average_pool_as_mean",
+        replaces="AveragePooling2D.call (non-overlapping, VALID, channels_last) as reshape + mean",
+        targets=("tf_keras.layers:AveragePooling2D.call", "keras.layers:AveragePooling2D.call"),
+        scope=Scope.LAYER, undone=_LIFETIME,
+        why="DTensor has no layout propagation for AvgPoolGrad",
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.layers"),
+    Change(
+        name="rnn_unrolled",
+        replaces="RNN (LSTM, GRU, SimpleRNN, Keras 3 ConvLSTM): unroll=True, tf-keras "
+                 "_could_use_gpu_kernel=False; get_config wrapped to report the user's unroll",
+        targets=("tf_keras.layers:RNN.get_config", "keras.layers:RNN.get_config"),
+        scope=Scope.LAYER, undone=_LIFETIME,
+        why="Keras runs a recurrence as a While loop over TensorLists, which DTensor cannot expand",
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.layers"),
+    Change(
+        name="dropout_step_seeded",
+        replaces="tf-keras Dropout's (and RNN cells') _random_generator, by a RandomGenerator "
+                 "subclass drawing stateless masks seeded per step",
+        targets=("tf_keras.src.backend:RandomGenerator.dropout", "tf_keras.src.backend:RandomGenerator._create_seed",
+                 "tf_keras.src.backend:RandomGenerator._maybe_init"),
+        scope=Scope.LAYER, undone=_LIFETIME,
+        why="DTensor refuses tf-keras' stateful RandomUniform",
+        packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.compat.layers"),
+    Change(
+        name="input_relayout_hints",
+        replaces="Dense (kernel rows split), EinsumDense (kernel split) and convolution layers' call, "
+                 "relaying the input (and an EinsumDense's or a convolution's output gradient) to the "
+                 "layout the plan priced",
+        targets=("tf_keras.layers:Dense.call", "keras.layers:Dense.call", "tf_keras.layers:EinsumDense.call",
+                 "keras.layers:EinsumDense.call", "tf_keras.layers:Conv2D.call", "keras.layers:Conv2D.call"),
+        scope=Scope.LAYER, undone=_LIFETIME,
+        why="DTensor's MatMul and convolution expanders refuse an input layout they could convert",
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.layers"),
+    # -- per model --------------------------------------------------------------------------------
+    Change(
+        name="step_functions",
+        replaces="the model's make_train/test/predict_function and train/test/predict_function "
+                 "(predictions assembled on the host)",
+        targets=("tf_keras:Model.make_train_function", "tf_keras:Model.make_test_function",
+                 "tf_keras:Model.make_predict_function", "keras:Model.make_train_function",
+                 "keras:Model.make_test_function", "keras:Model.make_predict_function"),
+        scope=Scope.MODEL, undone=_LIFETIME,
+        why="DTensor's dataset re-batches with drop_remainder=True and Keras relaxes shapes on a "
+            "second trace; the strategy lays each batch out as it comes and traces one program per signature",
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.strategies.step_functions"),
+    Change(
+        name="savedmodel_from_copy",
+        replaces="the model's _trackable_children (SavedModel only), save and export",
+        targets=("tf_keras:Model._trackable_children", "tf_keras:Model.save", "tf_keras:Model.export",
+                 "keras:Model._trackable_children", "keras:Model.save", "keras:Model.export"),
+        scope=Scope.MODEL, undone=_LIFETIME,
+        why="a SavedModel traced on the mesh holds Relayout ops and DTensor variables, which one device "
+            "and TF Serving cannot run; it is made from a one-device copy",
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.strategies.export"),
+    # -- per optimizer ----------------------------------------------------------------------------
+    Change(
+        name="optimizer_adopted",
+        replaces="a tf-keras optimizer made outside strategy.scope(): _distribution_strategy, "
+                 "_run_with_dtensor, and its _iterations and learning-rate variables remade in _variables",
+        targets=("tf_keras.src.optimizers.optimizer:Optimizer._create_iteration_variable",
+                 "tf_keras.src.optimizers.optimizer:Optimizer._build_learning_rate"),
+        scope=Scope.OPTIMIZER, undone=_LIFETIME,
+        why="tf-keras records the strategy at construction: its updates went through the default "
+            "strategy's merge_call (an error) and its step counter's increment was lost",
+        packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.compat.optimizers"),
+    Change(
+        name="slot_zeros_deferred",
+        replaces="tf-keras optimizer's add_variable_from_reference, handing in DeferredZeros",
+        targets=("tf_keras.optimizers:Optimizer.add_variable_from_reference",),
+        scope=Scope.OPTIMIZER, undone=_LIFETIME,
+        why="tf-keras builds each slot as tf.zeros(weight.shape), a full-size tensor on one device, "
+            "before any layout is known",
+        packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.compat.optimizers"),
+    Change(
+        name="gradients_relaid",
+        replaces="the optimizer's apply (Keras 3) / apply_gradients (tf-keras), relaying each dense "
+                 "gradient to its variable's layout first",
+        targets=("keras.optimizers:Optimizer.apply", "tf_keras.optimizers:Optimizer.apply_gradients",
+                 "tf_keras.optimizers.legacy:Optimizer.apply_gradients"),
+        scope=Scope.OPTIMIZER, undone=_LIFETIME,
+        why="DTensor's layout propagation can ask a kernel gradient's Sum for a split its reduce "
+            "expander refuses (EmitAllScatter ... not more sharded)",
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.optimizers"),
+    Change(
+        name="ema_after_update",
+        replaces="a tf-keras use_ema optimizer's _internal_apply_gradients, updating the moving "
+                 "averages after the base update",
+        targets=("tf_keras.src.optimizers.optimizer:Optimizer._internal_apply_gradients",
+                 "tf_keras.src.optimizers.optimizer:Optimizer._update_model_variables_moving_average",
+                 "tf_keras.src.optimizers.optimizer:Optimizer._var_key"),
+        scope=Scope.OPTIMIZER, undone=_LIFETIME,
+        why="tf-keras' DTensor path never updates the averages, yet fit ends by writing them into "
+            "the weights: the whole run was lost",
+        packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.compat.optimizers"),
+    # -- during capture ---------------------------------------------------------------------------
+    Change(
+        name="layer_scopes_recorded",
+        replaces="Keras 3 name_scope.__enter__ (on the class), recording which layer entered which scope",
+        targets=("keras.src.backend.tensorflow.core:name_scope.__enter__",),
+        scope=Scope.CAPTURE, undone="when the last capture in the process ends; other threads see the original",
+        why="Keras 3 opens a layer's scope twice and TF uniquifies the second name: op names alone "
+            "attribute ops to the wrong layer",
+        packages=("keras",), site="tofu_tf.tf.compat.process"),
+    Change(
+        name="updates_redirected",
+        replaces="a custom loop's optimizer's apply_gradients (and Keras 3 apply), on the instance",
+        targets=("tf_keras.optimizers:Optimizer.apply_gradients", "keras.optimizers:Optimizer.apply"),
+        scope=Scope.CAPTURE, undone=_CAPTURE_ONLY,
+        why="building the user's optimizer in the trace would leave it holding capture's buffer-less handles",
+        packages=("tf-keras", "keras"), site="tofu_tf.tf.keras_adapter"),
+    Change(
+        name="slots_recorded",
+        replaces="capture's own optimizer copy's add_variable_from_reference (legacy: add_slot)",
+        targets=("tf_keras.optimizers:Optimizer.add_variable_from_reference",
+                 "keras.optimizers:Optimizer.add_variable_from_reference",
+                 "tf_keras.optimizers.legacy:Optimizer.add_slot"),
+        scope=Scope.CAPTURE, undone=_CAPTURE_ONLY,
+        why="the one reliable link from an optimizer slot to the weight it tracks",
+        packages=("tf-keras", "keras"), site="tofu_tf.tf.keras_adapter"),
+    Change(
+        name="update_step_stamped",
+        replaces="capture's own optimizer copy's update_step",
+        targets=("tf_keras.optimizers:Optimizer.update_step", "keras.optimizers:Optimizer.update_step"),
+        scope=Scope.CAPTURE, undone=_CAPTURE_ONLY,
+        why="each weight's update is traced once per shape and stamped for the others (capture time)",
+        packages=("tf-keras", "keras"), site="tofu_tf.tf.update_stamps"),
+    Change(
+        name="loss_copy_marked",
+        replaces="a copy of a compiled tf-keras Loss: _allow_sum_over_batch_size=True",
+        targets=("tf_keras.losses:Loss._get_reduction",),
+        scope=Scope.CAPTURE, undone="the copy is capture's; the user's Loss is untouched",
+        why="tf-keras refuses an AUTO-reduction Loss under a strategy until compile's loss container "
+            "marks it at the first step, after capture ran",
+        packages=("tf-keras",), site="tofu_tf.tf.keras_adapter"),
+    # -- variables --------------------------------------------------------------------------------
+    Change(
+        name="handle_debug_name",
+        replaces="gen_resource_variable_ops.var_handle_op (module function): one debug_name for "
+                 "every TofuVariable handle",
+        targets=("tensorflow.python.ops.gen_resource_variable_ops:var_handle_op",),
+        scope=Scope.CREATION, undone="when the last variable being made in the process is made; "
+                                     "other threads see the original",
+        why="DTensor caches an eager op's program by its attributes, and TF names a handle op after "
+            "its variable: every variable compiled its own handle program",
+        packages=("tensorflow",), site="tofu_tf.tf.compat.process"),
+    Change(
+        name="variable_reads_forward_writes",
+        replaces="DVariable subclassed (TofuVariable: _read_variable_op, scatter_add); a DeferredVariable's "
+                 "__class__ set to TofuVariable in place when the plan lays it out",
+        targets=("tensorflow.dtensor.python.d_variable:DVariable",
+                 "tensorflow.python.ops.resource_variable_ops:BaseResourceVariable._read_variable_op"),
+        scope=Scope.VARIABLE, undone=_LIFETIME,
+        why="DTensor reorders a variable's write and a later read in one step (a slot's first update "
+            "was lost); layers and checkpoints keep the Python object they hold",
+        packages=("tensorflow",), site="tofu_tf.tf.variables"),
+    # -- process-wide ---------------------------------------------------------------------------
+    Change(
+        name="summary_before_plan",
+        replaces="tf-keras layer_utils.print_dtensor_variable_summary (the module function)",
+        targets=("tf_keras.src.utils.layer_utils:print_dtensor_variable_summary",),
+        scope=Scope.PROCESS, undone="when no TofuStrategy is alive any more",
+        why="tf-keras' summary() divides by the weights' per-device size, 0 while every weight waits "
+            "for its layout (ZeroDivisionError); the replacement changes only a TofuStrategy's unplanned models",
+        packages=("tf-keras",), site="tofu_tf.tf.compat.process"),
+    Change(
+        name="tf_keras_seeded",
+        replaces="tf-keras' global seed, when unseeded: tf_keras.utils.set_random_seed(a seed drawn from "
+                 "numpy), which seeds Python's random, numpy, TensorFlow and tf-keras' _SEED_GENERATOR",
+        targets=("tf_keras.utils:set_random_seed", "tf_keras.src.backend:_SEED_GENERATOR"),
+        scope=Scope.PROCESS, undone="never: a seed drawn from cannot be taken back (logged as a warning)",
+        why="tf-keras initializers refuse to draw sharded values unseeded, so that every shard follows "
+            "one random stream",
+        packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.keras_adapter"),
+    Change(
+        name="keras3_initializer_read",
+        replaces="nothing: reads the Keras variable in the closure of Keras 3's initial-value lambda "
+                 "(its _shape and _dtype)",
+        targets=("keras.src.backend.tensorflow.core:Variable._initialize_with_initializer",),
+        scope=Scope.READ, undone="nothing to undo",
+        why="a deferred variable needs its shape and dtype without running the initializer (a full-size value)",
+        packages=("keras",), site="tofu_tf.tf.keras_adapter"),
+)
+
+
+def change(name: str) -> Change:
+    """The registered change called ``name``.
+
+    Raises:
+        KeyError: no change has that name.
+    """
+    for entry in CHANGES:
+        if entry.name == name:
+            return entry
+    raise KeyError(f"no registered change {name!r}: see tofu_tf.tf.compat.registry.CHANGES")
+
+
+def resolve(target: str):
+    """The object a target names, ``"module:Class.attribute"``, imported and looked up.
+
+    Raises:
+        ImportError, AttributeError: the installed packages have no such module or attribute.
+    """
+    module_name, _, path = target.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part)
+    return obj
