@@ -42,8 +42,8 @@ from tofu_tf.tf.compat import process as compat_process
 # The debug name every TofuVariable's handle op carries: DTensor runs each eager op as a small
 # SPMD program, cached by the op's attributes, and TensorFlow gives a variable's VarHandleOp the
 # variable's name as its debug_name, so every variable missed the cache and compiled its own
-# handle program (about 9 ms per variable on 8 virtual CPUs, a second of a small keras-hub
-# model's first fit). With one debug name the program is compiled once per shape and layout.
+# handle program, a noticeable part of a small model's first fit. With one debug name the
+# program is compiled once per shape and layout.
 # The variable's ``name`` is unchanged. The change "handle_debug_name" (tofu_tf.tf.compat).
 HANDLE_DEBUG_NAME = "tofu_variable"
 
@@ -441,11 +441,9 @@ def materialize_all(variables_and_layouts) -> None:
     variable a Keras initializer draws are drawn by one DTensor program.
 
     DTensor expands and compiles every program it runs for the mesh, so one
-    program per variable spends most of its time compiling: the memory
-    anchor's ten weights took 0.9-1.0 s wall drawn one by one (eagerly) on 8
-    virtual CPUs, 0.24-0.38 s in one function (the variables' own creation,
-    ~0.5 s, is the same either way). The values are the ones ``materialize``
-    draws alone (same initializer, seed and layout; tested).
+    program per variable spends most of its time compiling; one program for all
+    of them compiles once. The values are the ones ``materialize`` draws alone
+    (same initializer, seed and layout; tested).
     Each drawn value is released once its variable holds it, so the peak is
     one variable above the weights themselves, as one at a time.
     """

@@ -93,7 +93,7 @@ def update_moving_averages(optimizer) -> Applied | None:
     tf-keras applies gradients on its DTensor path (the one a strategy's optimizer
     takes) through the base class, which never updates the averages; ``fit`` still
     ends by overwriting every weight with its average, so the whole run was lost:
-    the model returned to its initial weights (measured). After the base update this
+    the model returned to its initial weights (tested). After the base update this
     runs what tf-keras' distributed path runs after it: each average moves toward its
     weight, and every ``ema_overwrite_frequency`` steps the weights take the averages.
     """
