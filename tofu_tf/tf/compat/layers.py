@@ -270,29 +270,16 @@ def _input_feature_axis(layer, kernel_specs, dtensor):
 
 
 def _einsum_contraction(layer, kernel_specs):
-    """For a Dense or EinsumDense layer whose kernel is split: its equation's input, kernel and
-    output letters (Dense: ``...i,ij->...j``, the leading letters filled in at call time), the
-    kernel's specs, and the axes it uses. None for any other layer, a replicated kernel, or an
-    equation with an ellipsis."""
-    kind = type(layer).__name__
-    if kind not in ("Dense", "EinsumDense") or getattr(layer, "kernel", None) is None:
+    """For an EinsumDense layer whose kernel is split: its equation's input, kernel and output
+    letters and the kernel's specs. None for a replicated kernel or an equation with an ellipsis."""
+    equation = str(getattr(layer, "equation", ""))
+    if getattr(layer, "kernel", None) is None or "." in equation or "," not in equation or "->" not in equation:
         return None
-    if kind == "Dense":
-        inputs, kernel_letters, outputs = "...i", "ij", "...j"
-    else:
-        equation = str(getattr(layer, "equation", ""))
-        if "." in equation or "," not in equation or "->" not in equation:
-            return None
-        (inputs, kernel_letters), outputs = equation.split("->")[0].split(","), equation.split("->")[1]
+    (inputs, kernel_letters), outputs = equation.split("->")[0].split(","), equation.split("->")[1]
     specs = kernel_specs(layer.kernel)
     if not specs or len(specs) != len(kernel_letters) or all(a in (None, "unsharded") for a in specs):
         return None
     return inputs, kernel_letters, outputs, tuple(specs)
-
-
-def _letters(pattern: str, rank: int) -> str:
-    """``pattern``'s letters for a tensor of ``rank`` dims (Dense's ``...`` filled in)."""
-    return "abcdefgh"[:rank - len(pattern) + 3] + pattern[3:] if pattern.startswith("...") else pattern
 
 
 def _contraction_spec(letters, kernel_letters, specs, shape, batch_axis, mesh, dtensor):
@@ -312,28 +299,28 @@ def _contraction_spec(letters, kernel_letters, specs, shape, batch_axis, mesh, d
 def _relayout_einsum_input(call, contraction, batch_axis, mesh, dtensor):
     """``call`` with its input relaid out as the kernel contracts it, and its output's gradient
     as the kernel produces it (the backward contraction, dX = dY . W^T, meets the same refusal)."""
-    inputs_pattern, kernel_letters, outputs_pattern, specs = contraction
+    letters, kernel_letters, out_letters, specs = contraction
 
     def hinted_call(self, inputs, *args, **kwargs):
         del self
-        letters = _letters(inputs_pattern, inputs.shape.rank)
         if inputs.shape.rank != len(letters):
             return call(inputs, *args, **kwargs)
         spec = _contraction_spec(letters, kernel_letters, specs, inputs.shape, batch_axis, mesh, dtensor)
         outputs = call(dtensor.relayout(inputs, dtensor.Layout(spec, mesh)), *args, **kwargs)
-        if not isinstance(outputs, tf.Tensor) or outputs.shape.rank is None:
+        if not isinstance(outputs, tf.Tensor) or outputs.shape.rank != len(out_letters):
             return outputs
-        out_letters = _letters(outputs_pattern, outputs.shape.rank)
-        if len(out_letters) != outputs.shape.rank:
-            return outputs
-        layout = dtensor.Layout(_contraction_spec(out_letters, kernel_letters, specs, outputs.shape, batch_axis,
-                                                  mesh, dtensor), mesh)
-
-        @tf.custom_gradient
-        def identity(x):
-            return tf.identity(x), lambda dy: dtensor.relayout(tf.convert_to_tensor(dy), layout)
-        return identity(outputs)
+        return _gradient_in(outputs, dtensor.Layout(
+            _contraction_spec(out_letters, kernel_letters, specs, outputs.shape, batch_axis, mesh, dtensor), mesh),
+            dtensor)
     return hinted_call
+
+
+def _gradient_in(outputs, layout, dtensor):
+    """``outputs`` unchanged, its gradient relaid out to ``layout`` on the way back."""
+    @tf.custom_gradient
+    def identity(x):
+        return tf.identity(x), lambda dy: dtensor.relayout(tf.convert_to_tensor(dy), layout)
+    return identity(outputs)
 
 
 def _batch_spec(shape, batch_axis, mesh, dtensor) -> list:
@@ -357,12 +344,8 @@ def _relayout_output_gradient(call, batch_axis, mesh, dtensor):
         outputs = call(*args, **kwargs)
         if not isinstance(outputs, tf.Tensor) or outputs.shape.rank is None:
             return outputs
-        layout = dtensor.Layout(_batch_spec(outputs.shape, batch_axis, mesh, dtensor), mesh)
-
-        @tf.custom_gradient
-        def identity(x):
-            return tf.identity(x), lambda dy: dtensor.relayout(tf.convert_to_tensor(dy), layout)
-        return identity(outputs)
+        return _gradient_in(outputs, dtensor.Layout(_batch_spec(outputs.shape, batch_axis, mesh, dtensor), mesh),
+                            dtensor)
     return with_gradient_relaid
 
 
