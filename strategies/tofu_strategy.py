@@ -54,6 +54,7 @@ from tofu_tf.errors import TofuError
 from tofu_tf.strategies import batches as batches_lib
 from tofu_tf.strategies import keras_hooks
 from tofu_tf.strategies import layout_maps
+from tofu_tf.strategies import pipelined
 from tofu_tf.strategies import step_functions
 from tofu_tf.tf import devices as devices_lib
 from tofu_tf.tf import keras_adapter
@@ -78,7 +79,8 @@ class TofuStrategy(distribute_lib.Strategy):
       memory_budget_bytes: per-device budget the plan must fit (default: the
         hardware profile's device memory).
       mesh_shape: fix the mesh, e.g. ``{"batch": 2, "model": 4}``; default:
-        the planner searches all factorizations of ``num_gpus``.
+        the planner searches all factorizations of ``num_gpus``. With ``pipeline=`` a stage
+        count, each stage's mesh.
       hardware: a ``tofu_tf.cost`` hardware profile or its name; default:
         CPU virtual devices on CPU, H100 NVLink on GPUs.
       method: planner, ``"tofu"`` (default), ``"ilp"``, ``"data_parallel"``
@@ -99,10 +101,30 @@ class TofuStrategy(distribute_lib.Strategy):
         weight a key matches (its optimizer slots with it) gets the key's layout, and the
         planner decides the rest. A key matching no weight, or a layout the weight or
         DTensor cannot take, is refused at planning (``tofu_tf.search.pins.PinError``).
+      pipeline: train the model as a pipeline of stages on disjoint groups of devices
+        (``tofu_tf.strategies.pipelined``): a stage count (the exact memory partitioner cuts
+        the model's units), ``"auto"`` (``tofu_tf.pipeline.recommend_hybrid``'s best PP x TP x DP
+        plan for the memory budget), or a plan from ``recommend_hybrid`` (a candidate) or
+        ``tofu_tf.pipeline.partition``, used as given. Each stage's sharding over its devices is
+        planned by the Tofu planner. None (default): no pipeline.
+      num_microbatches: micro-batches per step of a pipeline (default: the plan's, else the
+        smallest divisor of the batch that gives every stage one); it divides the batch.
+      schedule: the pipeline's schedule, ``"1f1b"`` (default) or ``"gpipe"``.
     """
 
     def __init__(self, num_gpus: int = 8, *, memory_budget_bytes: int | None = None,
-                 mesh_shape=None, hardware=None, method: str = "tofu", plan=None, plan_cache=True, layout_map=None):
+                 mesh_shape=None, hardware=None, method: str = "tofu", plan=None, plan_cache=True, layout_map=None,
+                 pipeline=None, num_microbatches: int | None = None, schedule: str = "1f1b"):
+        pipeline = pipelined.PipelineRequest.read(pipeline, num_microbatches=num_microbatches, schedule=schedule,
+                                                  num_devices=num_gpus)
+        if pipeline is not None and (plan is not None or layout_map is not None):
+            raise pipelined.PipelineError("pipeline= plans each stage itself: drop plan= and layout_map= "
+                                          "(or pipeline=)")
+        if pipeline is not None:
+            pipelined.check_stage_mesh(pipeline, mesh_shape, num_gpus)
+        if pipeline is not None and compat_process.uncombine_all_reduces():
+            logging.info("TofuStrategy: %s", compat.Applied(compat.change("dtensor_all_reduces_uncombined"), "process",
+                                                            f"{compat_process.COMBINE_ALL_REDUCES_ENV}=0"))
         if plan is not None:
             plan = plan_lib.read_plan(plan)
             plan_check.check_plan(plan, num_gpus)   # before devices: a wrong plan costs nothing
@@ -118,13 +140,19 @@ class TofuStrategy(distribute_lib.Strategy):
         device_set = devices_lib.provide_devices(num_gpus)
         options = _PlanOptions(memory_budget_bytes=memory_budget_bytes, mesh_shape=mesh_shape,
                                hardware=_hardware_for(hardware, device_set),
-                               method=method, plan_cache=plan_cache, layout_map=layout_map)
+                               method=method, plan_cache=plan_cache, layout_map=layout_map, pipeline=pipeline)
         super().__init__(_TofuExtended(self, device_set, options, plan))
 
     @property
     def plan(self):
         """The plan in force (None until the first step or ``plan_model``)."""
         return self.extended._plan
+
+    @property
+    def pipeline(self) -> "pipelined.PipelineRunner | None":
+        """The runner of a pipelined run once planned (its ``plan`` and the micro-batches each
+        stage held at once in the last step, ``inflight_peaks``); None without ``pipeline=``."""
+        return self.extended._pipeline
 
     @property
     def changes(self) -> tuple:
@@ -244,6 +272,7 @@ class _PlanOptions:
     method: str
     plan_cache: object = True     # True: the default directory; a directory; False: none
     layout_map: "layout_maps.LayoutMapSpec | None" = None
+    pipeline: "pipelined.PipelineRequest | None" = None
 
 
 class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
@@ -261,6 +290,11 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         # given the same id after garbage collection would skip its preparation.
         self._prepared: weakref.WeakSet = weakref.WeakSet()
         self._batch_placer: batches_lib.BatchPlacer | None = None
+        # A pipelined run (``pipeline=``): its runner once planned, the optimizer's own variables
+        # (host variables every stage reads), and whether the optimizer is making its state now.
+        self._pipeline: pipelined.PipelineRunner | None = None
+        self._optimizer_owned: set[int] = set()
+        self._making_optimizer_state = False
         # The plan's unique names (keras_adapter.UniquePaths) of the planned model's weights, by
         # id of their variable, and how often each path shared by several planned variables was made.
         self._plan_names: dict[int, str] = {}
@@ -315,6 +349,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
         loss = loss if loss is not None else keras_hooks.compiled_loss(model) or "mse"
         optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None) or "sgd"
+        if self._options.pipeline is not None:
+            self._plan_pipeline(model, batch_size=batch_size, loss=loss, optimizer=optimizer, labels=labels,
+                                features=features)
+            return
         self._plan_captured(model, optimizer, batch_size, lambda: capture_training_step(
             model, batch_size=batch_size, loss=loss, optimizer=optimizer, labels=labels, features=features))
 
@@ -345,14 +383,52 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                      "created the variables shard by shard in %.2f s", len(graph.ops), captured - start,
                      planned - captured, time.perf_counter() - planned)
 
-    def _search(self, graph):
-        """The plan of ``graph`` under the user's options: from the plan cache when it holds it."""
+    def _plan_pipeline(self, model, *, batch_size, loss, optimizer, labels, features) -> None:
+        """Cut ``model`` into the requested stages, plan each on its devices, make the variables
+        there and run ``fit``/``evaluate``/``predict`` through the pipeline."""
+        logging.info("TofuStrategy: planning %s as a pipeline for batch %d on %d %s devices", model.name,
+                     batch_size, self._devices.count, self._devices.device_type)
+        self._prepare(model)
+        start = time.perf_counter()
+        with self._creating_plain_variables():
+            plan = pipelined.build_plan(
+                model, self._options.pipeline, batch_size=batch_size, loss=loss, optimizer=optimizer, labels=labels,
+                features=features, device_set=self._devices, search=self._search,
+                memory_budget_bytes=self._options.memory_budget_bytes, hardware=self._options.hardware)
+        compiled_optimizer = getattr(model, "optimizer", None)
+        self._optimizer_owned = set() if compiled_optimizer is None else {
+            id(keras_adapter.backing_variable(v)) for v in keras_adapter.optimizer_variables(compiled_optimizer)
+            + [v for v in vars(compiled_optimizer).values() if isinstance(v, tf.Variable)]}   # tf-keras' learning rate
+        self._plan = plan
+        self._lowered = plan.stages[-1].lowered          # metrics and Keras' counters live on the last stage
+        self._mesh = self._lowered.mesh
+        self._entries_checked = True
+        self._pipeline = pipelined.PipelineRunner(model, plan, optimizer_scope=self._optimizer_making_state)
+        pipelined.log_plan(plan)
+        self._materialize_deferred()
+        for stage in plan.stages:
+            self._hint_layouts(stage.model, stage.lowered)
+        logging.info("TofuStrategy: pipeline planned and its variables made in %.2f s", time.perf_counter() - start)
+
+    @contextlib.contextmanager
+    def _optimizer_making_state(self):
+        """While a pipelined step applies its gradients: variables the optimizer makes that no
+        stage plan names (its step counter) go to the host, where every stage reads them."""
+        self._making_optimizer_state = True
+        try:
+            yield
+        finally:
+            self._making_optimizer_state = False
+
+    def _search(self, graph, *, num_devices: int | None = None, mesh_shape=None):
+        """The plan of ``graph`` under the user's options: from the plan cache when it holds it.
+        ``num_devices`` and ``mesh_shape``: a pipeline stage's, in place of the strategy's."""
         from tofu_tf import plan_cache
         from tofu_tf.search import plan_graph
 
-        options = dict(num_devices=self._devices.count, method=self._options.method,
+        options = dict(num_devices=num_devices or self._devices.count, method=self._options.method,
                        memory_budget_bytes=self._options.memory_budget_bytes,
-                       mesh_shape=self._options.mesh_shape, hardware=self._options.hardware)
+                       mesh_shape=mesh_shape or self._options.mesh_shape, hardware=self._options.hardware)
         layout_map, stored = self._options.layout_map, {}
         if layout_map is not None:
             stored = layout_map.pinned_layouts([v.path for v in graph.weights()])
@@ -385,7 +461,11 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 "first run (strategy.plan_model(model, batch_size=...)), or train it under a TofuStrategy of its own.")
         self._prepared.add(model)
         self._record(*keras_hooks.prepare_for_dtensor(model))
-        if step_functions.install(model, self._placer):
+        if self._options.pipeline is not None:
+            if pipelined.install(model, lambda: self._pipeline):
+                self._record(compat.Applied(compat.change("pipeline_step_functions"), model.name,
+                                            "fit/evaluate/predict run the pipeline's schedule"))
+        elif step_functions.install(model, self._placer):
             self._record(compat.Applied(compat.change("step_functions"), model.name,
                                         "fit/evaluate/predict run one batch at a time, one program per "
                                         "input signature (a partial last batch included)"))
@@ -399,9 +479,13 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 logging.info("TofuStrategy: %s", applied)
                 self._changes.append(applied)
 
-    def _hint_layouts(self, model) -> None:
-        """Once the plan exists: explicit input relayouts at sharded Dense layers and at convolutions."""
-        if self._lowered is None:
+    def _hint_layouts(self, model, lowered: lowering.Lowered | None = None) -> None:
+        """Once the plan exists: explicit input relayouts at sharded Dense layers and at convolutions.
+        ``lowered``: the plan of the mesh ``model`` runs on (a pipeline stage's)."""
+        if self._pipeline is not None and lowered is None:
+            return                      # a pipeline hints each stage's layers on its own mesh
+        lowered = lowered or self._lowered
+        if lowered is None:
             return
 
         def kernel_specs(kernel):
@@ -412,7 +496,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             layout = getattr(variable, "layout", None)
             return None if layout is None else tuple(layout.sharding_specs)
 
-        self._record(*compat_layers.relayout_layer_inputs(model, kernel_specs, self._lowered.batch_axis, self.mesh))
+        self._record(*compat_layers.relayout_layer_inputs(model, kernel_specs, lowered.batch_axis, lowered.mesh))
 
     @contextlib.contextmanager
     def _creating_plain_variables(self):
@@ -447,6 +531,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
                 trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
             deferred._tofu_path = path  # pylint: disable=protected-access
+            if self._pipeline is not None:
+                return self._materialize_in_pipeline([deferred])[0]
             return variables_lib.materialize(deferred, self._layout_of(deferred))
 
     def _default_device_scope(self):
@@ -463,8 +549,30 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
     def _materialize_deferred(self) -> None:
         with tf.init_scope():
-            variables_lib.materialize_all((variable, self._layout_of(variable)) for variable in self._deferred)
+            if self._pipeline is not None:
+                self._materialize_in_pipeline(self._deferred)
+            else:
+                variables_lib.materialize_all((variable, self._layout_of(variable)) for variable in self._deferred)
         self._deferred.clear()
+
+    def _materialize_in_pipeline(self, deferred: list) -> list:
+        """Each variable where the pipeline keeps it: a stage's weight or slot on its stage's
+        mesh; the optimizer's own (step counter, learning rate) on the host, where ops of every
+        stage read them; the rest (metrics, Keras' counters) on the last stage."""
+        placed, on_stages = [], []
+        for variable in deferred:
+            layout = self._plan.layout_for(variable, keras_path(variable))
+            if layout is None and (id(variable) in self._optimizer_owned or self._making_optimizer_state):
+                placed.append(variables_lib.materialize_on_host(variable))
+                continue
+            if layout is None:
+                layout = dtensor.Layout.replicated(self._lowered.mesh, rank=variable.shape.rank)
+            on_stages.append((variable, layout))
+            placed.append(variable)
+        variables_lib.materialize_all(on_stages)
+        for variable, _ in on_stages:
+            variable._tofu_host_checkpoint = True  # pylint: disable=protected-access
+        return placed
 
     def _layout_of(self, variable) -> dtensor.Layout:
         path = self._plan_names.get(id(variable)) or self._twin_name(keras_path(variable))
@@ -544,6 +652,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         return self._experimental_distribute_dataset(dataset_fn(distribute_lib.InputContext()), options)
 
     def _placer(self) -> batches_lib.BatchPlacer:
+        if self._pipeline is not None:
+            return pipelined.HostPlacer()
         if self._batch_placer is None or self._batch_placer.mesh is not self.mesh:
             self._batch_placer = batches_lib.BatchPlacer(self.mesh, self._lowered.batch_axis)
         return self._batch_placer
@@ -553,6 +663,11 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._options.pipeline is not None:
+            raise pipelined.PipelineError(
+                "a pipelined TofuStrategy trains through Keras' fit, evaluate and predict, and strategy.run "
+                "(a custom training loop, train_on_batch under a strategy.run) is not pipelined: train with "
+                "model.fit, or drop pipeline= to run the loop with the tensor plan")
         model = keras_hooks.find_model(fn)
         if model is not None:
             self._prepare(model)

@@ -14,6 +14,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Every test plans afresh and writes nothing under the user's cache directory; the
 # plan cache's own tests give it a directory of their own.
 os.environ["TOFU_PLAN_CACHE"] = "off"
+# DTensor reads its all-reduce combining switch at its first compile, and the pipeline tests'
+# stage functions need it off (tofu_tf.tf.compat.process.uncombine_all_reduces): a pipelined
+# TofuStrategy sets it when it is the process's first DTensor user; here other tests come first.
+os.environ["DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"] = "0"
 # Not TF_CPU_ALLOCATOR_USE_BFC: with it DTensor fails to fill scalars on CPU
 # ("TF_TensorData returned nullptr"); memory tests run it in a subprocess.
 

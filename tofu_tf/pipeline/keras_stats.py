@@ -125,8 +125,8 @@ def profile_model(model, analysis: ChainAnalysis, *, micro_batch: int, loss, opt
 
 def capture_for_stats(model, *, micro_batch: int, loss, optimizer):
     """The step's IR at ``micro_batch``, the top-level layer names, and variable owners."""
-    import tofu_tf
     from tofu_tf.tf import keras_adapter
+    from tofu_tf.tf.capture import capture_training_step
 
     keras_adapter.framework_of(model)  # a clear error for a non-Keras object
     names = [layer.name for layer in model.layers]
@@ -134,7 +134,7 @@ def capture_for_stats(model, *, micro_batch: int, loss, optimizer):
     for layer in model.layers:
         for weight in layer.weights:
             owners.setdefault(keras_adapter.variable_path(weight), layer.name)
-    graph = tofu_tf.capture_training_step(model, batch_size=micro_batch, loss=loss,
+    graph = capture_training_step(model, batch_size=micro_batch, loss=loss,
                                           optimizer=optimizer)
     return graph, names, owners
 

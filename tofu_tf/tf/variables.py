@@ -111,6 +111,22 @@ class TofuVariable(d_variable.DVariable):
             raise NotImplementedError("numpy() is only available eagerly")
         return gather_to_host(self.read_value(), self.layout)
 
+    # A pipeline's stages live on several meshes, and TensorFlow's checkpoint writer saves the
+    # variables of several meshes in one function, which DTensor cannot compile (one mesh per
+    # program): a stage's variable (``_tofu_host_checkpoint``) is written and read through the
+    # host, as one device's checkpoint holds it.
+    def _serialize_to_tensors(self):
+        if not (self.__dict__.get("_tofu_host_checkpoint") and tf.executing_eagerly()):
+            return super()._serialize_to_tensors()
+        with tf.device(devices.host_device()):
+            return {trackable_constants.VARIABLE_VALUE_KEY: tf.constant(self.numpy())}
+
+    def _restore_from_tensors(self, restored_tensors):
+        if not (self.__dict__.get("_tofu_host_checkpoint") and tf.executing_eagerly()):
+            return super()._restore_from_tensors(restored_tensors)
+        value = restored_tensors[trackable_constants.VARIABLE_VALUE_KEY]
+        return super().assign(scatter_from_host(np.asarray(value), self.layout))
+
     def _write(self, value, use_locking, name, read_value):
         value = dtensor.relayout(tf.convert_to_tensor(value, dtype=self.dtype), self.layout)
         result = super().assign(value, use_locking, name, read_value)
@@ -486,8 +502,21 @@ def _draw_together(drawn) -> list:
     return values
 
 
-def _become(variable, fresh: TofuVariable) -> TofuVariable:
-    """Turn ``variable`` into ``fresh`` in place, so every holder sees the new buffer."""
+def materialize_on_host(variable: DeferredVariable) -> resource_variable_ops.ResourceVariable:
+    """Give ``variable`` a plain buffer in host memory, in place, holding its host value.
+
+    For the variables every stage of a pipeline reads (the optimizer's step counter and
+    learning rate): a DTensor lives on one mesh, and an op on another stage's mesh cannot
+    read it, while DTensor reads a plain host scalar on any mesh."""
+    with tf.device(devices.host_device()):
+        fresh = resource_variable_ops.ResourceVariable(variable._host_value(), dtype=variable.dtype,
+                                                       name=_base_name(variable.name), trainable=variable.trainable)
+    return _become(variable, fresh)
+
+
+def _become(variable, fresh):
+    """Turn ``variable`` into ``fresh`` (a ``TofuVariable``, or a host variable) in place, so
+    every holder sees the new buffer."""
     state = dict(fresh.__dict__)
     # Keep the name the variable was created with: the fresh one was made
     # inside the layer's name scope again and would be called "dense/dense/kernel";
@@ -499,7 +528,7 @@ def _become(variable, fresh: TofuVariable) -> TofuVariable:
     state.update((key, value) for key, value in variable.__dict__.items() if key.startswith("_self_"))
     variable.__dict__.clear()
     variable.__dict__.update(state)
-    variable.__class__ = TofuVariable                # the change "variable_reads_forward_writes"
+    variable.__class__ = type(fresh)                 # the change "variable_reads_forward_writes"
     return variable
 
 

@@ -5,6 +5,8 @@
 * ``handle_debug_name``: TensorFlow's ``gen_resource_variable_ops.var_handle_op``, while a
   ``TofuVariable`` is made; only the creating thread's handles are renamed
   (``one_handle_debug_name``).
+* ``dtensor_all_reduces_uncombined``: DTensor's all-reduce combining pass, off (its
+  environment switch) from the first pipelined TofuStrategy on (``uncombine_all_reduces``).
 * ``summary_before_plan``: tf-keras's ``print_dtensor_variable_summary``, while a
   ``TofuStrategy`` is alive (``hold_summary_printer``); the original is back once the last
   strategy is garbage-collected.
@@ -16,6 +18,7 @@ How each is installed and taken back is ``tofu_tf.tf.compat.patching``'s; what e
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Callable, Iterator
 
@@ -45,6 +48,27 @@ def recording_keras3_scopes(record: Callable[[object, str], None]) -> Iterator[N
 
     with _LAYER_SCOPES.active(enter):
         yield
+
+
+# DTensor reads this switch when it first builds its compiler passes, so it must be set before
+# the process's first DTensor program (dtensor_mlir_passes_internal.cc).
+COMBINE_ALL_REDUCES_ENV = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
+
+
+def uncombine_all_reduces() -> bool:
+    """Switch DTensor's all-reduce combining pass off for this process (the change
+    "dtensor_all_reduces_uncombined"), unless the user set the switch; True when it set it.
+
+    The pass merges several all-reduces into one and slices the results apart, and the slices
+    carry no layout: where such a slice is a result of the function (the gradients a pipeline
+    stage's backward function returns, LayerNormalization's among them), DTensor refuses to
+    compile it ("missing result layout attribute for function"). A whole-model step consumes
+    its gradients inside one function and never meets this. The pass saves collective launches;
+    the sums are the same."""
+    if COMBINE_ALL_REDUCES_ENV in os.environ:
+        return False
+    os.environ[COMBINE_ALL_REDUCES_ENV] = "0"
+    return True
 
 
 def _var_handle_op():

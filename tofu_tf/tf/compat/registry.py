@@ -148,6 +148,17 @@ CHANGES: tuple[Change, ...] = (
             "second trace; the strategy lays each batch out as it comes and traces one program per signature",
         packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.strategies.step_functions"),
     Change(
+        name="pipeline_step_functions",
+        replaces="with TofuStrategy(pipeline=...): the model's make_train/test/predict_function and "
+                 "train/test/predict_function, by functions running the pipeline's schedule",
+        targets=("tf_keras:Model.make_train_function", "tf_keras:Model.make_test_function",
+                 "tf_keras:Model.make_predict_function", "keras:Model.make_train_function",
+                 "keras:Model.make_test_function", "keras:Model.make_predict_function"),
+        scope=Scope.MODEL, undone=_LIFETIME,
+        why="a pipelined step runs stages on different meshes, micro-batch by micro-batch, which one "
+            "DTensor program (one mesh) cannot; the step runs eagerly from the host, one stage's ops at a time",
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.strategies.pipelined"),
+    Change(
         name="savedmodel_from_copy",
         replaces="the model's _trackable_children (SavedModel only), save and export",
         targets=("tf_keras:Model._trackable_children", "tf_keras:Model.save", "tf_keras:Model.export",
@@ -258,6 +269,16 @@ CHANGES: tuple[Change, ...] = (
             "was lost); layers and checkpoints keep the Python object they hold",
         packages=("tensorflow",), site="tofu_tf.tf.variables"),
     # -- process-wide ---------------------------------------------------------------------------
+    Change(
+        name="dtensor_all_reduces_uncombined",
+        replaces="the environment switch DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION, set to 0 when a "
+                 "pipelined TofuStrategy is made and the user has not set it (read by the DTensor device "
+                 "when it first compiles a program)",
+        targets=("tensorflow.dtensor.python.dtensor_device:DTensorDevice",),
+        scope=Scope.PROCESS, undone="never: DTensor reads the switch once, when it first compiles a program",
+        why="DTensor's all-reduce combining leaves the gradients a pipeline stage's backward function "
+            "returns without layouts, and DTensor then refuses to compile that function",
+        packages=("tensorflow",), site="tofu_tf.tf.compat.process"),
     Change(
         name="summary_before_plan",
         replaces="tf-keras layer_utils.print_dtensor_variable_summary (the module function)",
