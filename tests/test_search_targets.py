@@ -286,3 +286,25 @@ def test_a_keras_hub_resnet_is_planned_data_parallel_on_virtual_cpus():
     plan = plan_graph(graph, num_devices=8, hardware="cpu-virtual")
     assert dict(plan.mesh_axes) == {"batch": 8}, plan.mesh_axes
     assert all(layout[0] == "batch" for layout in plan.input_layouts.values()), plan.input_layouts
+
+
+def test_the_roles_of_an_axis_sharing_its_options_build_the_problems_each_builds_alone():
+    """The search builds an axis's problem once per role from one ``AxisOptions``; each
+    problem equals the one a builder of its own makes, on a first and a second axis."""
+    from tofu_tf.search.problem import AxisDecision, AxisOptions
+    from tofu_tf.search import tofu_dp
+    index = GraphIndex(mlp_graph(batch=8), stub_strategies)
+    first = ProblemBuilder(index, (), 2, H100_NVLINK.intra_node, role=AxisRole.MODEL).build()
+    decided = (AxisDecision.of(first, tofu_dp.solve_axis(first, 0.0).choice, 2),)
+    for prior in ((), decided):
+        shared = AxisOptions(index, prior, 2)
+        for role in (AxisRole.BATCH, AxisRole.MODEL, AxisRole.ANY):
+            alone = ProblemBuilder(index, prior, 2, H100_NVLINK.intra_node, role=role).build()
+            together = ProblemBuilder(index, prior, 2, H100_NVLINK.intra_node, role=role, options=shared).build()
+            assert together.nodes == alone.nodes
+            assert all((a == b).all() for a, b in zip(together.unary, alone.unary))
+            assert all((a == b).all() for a, b in zip(together.memory, alone.memory))
+            assert [(e.u, e.v) for e in together.edges] == [(e.u, e.v) for e in alone.edges]
+            assert all((a.cost == b.cost).all() for a, b in zip(together.edges, alone.edges))
+    with pytest.raises(ValueError, match="another axis"):
+        ProblemBuilder(index, decided, 2, H100_NVLINK.intra_node, options=AxisOptions(index, (), 2))

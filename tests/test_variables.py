@@ -1,5 +1,6 @@
 """Variables TofuStrategy creates: optimizer slots start as shards, never as a full-size tensor."""
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -219,6 +220,38 @@ def test_a_weight_read_before_the_plan_is_laid_out_as_read():
     variables_lib.materialize_all([(kernel, layout)])
     assert kernel.layout == layout
     np.testing.assert_array_equal(kernel.numpy(), read)
+
+
+def test_an_unseeded_fit_leaves_the_users_random_state(monkeypatch):
+    """Unseeded, tf-keras refuses sharded draws; the strategy used to call
+    ``set_random_seed`` for the user, reseeding Python's ``random``, numpy and TensorFlow.
+    Now Python's and numpy's generators go on as after the same fit on one device (tf-keras
+    takes an unseeded initializer's seed from Python's ``random`` there too), TensorFlow's
+    global seed is not set, and tf-keras is left unseeded."""
+    import random
+
+    from tensorflow.python.eager import context
+    from tf_keras.src import backend as tf_keras_backend
+
+    from tofu_tf.strategies import TofuStrategy
+    monkeypatch.delattr(tf_keras_backend._SEED_GENERATOR, "generator", raising=False)
+    tf_seed = context.global_seed()
+
+    def fit_then_draw(strategy):
+        random.seed(11)
+        np.random.seed(12)
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, name="wide"),
+                                      keras.layers.Dense(256, name="wider"), keras.layers.Dense(4, name="head")])
+            model.compile(optimizer="sgd", loss="mse")
+        model.fit(np.ones((16, 32), np.float32), np.ones((16, 4), np.float32), batch_size=8, verbose=0)
+        return (random.random(), float(np.random.rand())), model
+
+    drawn, model = fit_then_draw(TofuStrategy(8))
+    assert any(not variable.layout.is_fully_replicated() for variable in model.weights)    # drawn sharded
+    assert drawn == fit_then_draw(None)[0]
+    assert context.global_seed() == tf_seed
+    assert not getattr(tf_keras_backend._SEED_GENERATOR, "generator", None)
 
 
 def test_a_checkpoint_saved_before_the_plan_holds_every_variable(tmp_path):

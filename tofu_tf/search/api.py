@@ -31,7 +31,7 @@ from tofu_tf.mesh import MeshSpec, host_aligned_factorizations, ordered_factoriz
 from tofu_tf.plan import CommCost, Method, Objective, Plan, format_bytes
 from tofu_tf.search import baselines, pins, tofu_dp
 from tofu_tf.search.coarsen import GraphIndex, StrategyProvider
-from tofu_tf.search.problem import TIE_PENALTY, AxisDecision, AxisProblem, ProblemBuilder
+from tofu_tf.search.problem import TIE_PENALTY, AxisDecision, AxisOptions, AxisProblem, ProblemBuilder
 from tofu_tf.search.progress import SearchProgress
 from tofu_tf.search.targets import (AxisRole, Target, as_target, axis_roles, check_lowerable, pinned_variables,
                                     restrict_provider, unsplit_variable_dims)
@@ -404,8 +404,9 @@ class _Search:
             restrict = pins.both(restrict, pins.pin_restriction(self.index, self.pinned, mesh.names[k]))
             if AxisRole.MODEL in roles and any(mesh.names[k] in layout for layout in self.pinned.values()):
                 roles = (AxisRole.MODEL,)   # it splits pinned weights, so (on DTensor) not the batch
+        options = AxisOptions(self.index, prior, mesh.sizes[k])     # what the roles' problems share
         for role in roles:
-            builder = ProblemBuilder(self.index, prior, mesh.sizes[k], link, restrict, role)
+            builder = ProblemBuilder(self.index, prior, mesh.sizes[k], link, restrict, role, options)
             if builder.can_build():
                 problems.append(builder.build())
         solutions = [self.solver.exact(problem, lam) for problem in problems]

@@ -204,7 +204,8 @@ class GraphIndex:
         self._batch_dims_cache: dict[int, dict[str, frozenset[int]]] = {}
         self._tied_cache: dict[tuple, OpStrategy | None] = {}
         self._group_cache: dict[tuple, dict[str, OpStrategy] | None] = {}
-        self.matrix_cache: dict[tuple, np.ndarray] = {}   # transfer tables, by value (splits, bytes, n, link)
+        self.matrix_cache: dict[tuple, dict] = {}   # transfer tables: by (n, link), then by (splits, bytes)
+        self.tensor_bytes: dict[str, int] = {}      # filled as problems ask
         self.members, self.paths = self._members()
         self.use_table, self.tie_edges = self._use_table()
         self.run = fold.find_run(

@@ -113,19 +113,18 @@ class _Factors:
         if size > self.max_entries:
             raise _TooWide
         self.widest = max(self.widest, size)
-        total = np.zeros(shape)
+        aligned = []
         for fid in fids:
             nodes, table = self.tables.pop(fid)
             perm = sorted(range(len(nodes)), key=lambda a: where[nodes[a]])
             if perm != list(range(len(nodes))):
                 table = table.transpose(perm)
             present = {nodes[a] for a in perm}
-            total += table.reshape(tuple(self.domain[v] if v in present else 1 for v in order))   # in place
+            aligned.append(table.reshape(tuple(self.domain[v] if v in present else 1 for v in order)))
             for v in nodes:
                 if v != x:
                     self.of_node[v].discard(fid)
-        argmin = total.argmin(axis=0)
-        best = total.min(axis=0)
+        argmin, best = min_of_sum(aligned, shape)
         self.add(tuple(rest), best)
         return _Record(x, tuple(rest), argmin)
 
@@ -153,6 +152,51 @@ class _Factors:
             for v in touched & left:
                 heapq.heappush(heap, (self.weight(v), v))
         return records
+
+
+# Tables at least this large are summed and minimized one option of the eliminated node at a time.
+ROWWISE_ENTRIES = 1 << 15
+
+
+def min_of_sum(tables: Sequence[np.ndarray], shape: tuple[int, ...],
+               rowwise_entries: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """For ``total = 0 + tables[0] + tables[1] + ...`` (each broadcast to ``shape``, whose
+    first axis is the eliminated node, present in every table): ``(total.argmin(axis=0),
+    total.min(axis=0))``, the first minimum on ties.
+
+    A large ``total`` is never built: per option of the node, its slice of the sum (a
+    fraction of the table, which stays in cache) is added up and kept where smaller --
+    strictly, so the first minimum stays. numpy's argmin over a leading axis would also
+    copy the whole table into that axis's order first. Each entry is the same additions
+    in the same order either way, so the results are equal; a NaN (never in these costs)
+    takes the whole-table path, whose argmin picks it as numpy does."""
+    limit = ROWWISE_ENTRIES if rowwise_entries is None else rowwise_entries
+    if math.prod(shape) < limit or shape[0] == 1:
+        return _min_of_whole_sum(tables, shape)
+    rest = shape[1:]
+    best = np.zeros(rest)
+    for table in tables:
+        best += table[0]
+    argmin = np.zeros(rest, dtype=np.intp)
+    row = np.empty(rest)
+    better = np.empty(rest, dtype=bool)
+    for option in range(1, shape[0]):
+        row.fill(0.0)
+        for table in tables:
+            row += table[option]
+        np.less(row, best, out=better)
+        argmin[better] = option
+        np.minimum(best, row, out=best)
+    if np.isnan(best).any():
+        return _min_of_whole_sum(tables, shape)
+    return argmin, best
+
+
+def _min_of_whole_sum(tables, shape):
+    total = np.zeros(shape)
+    for table in tables:
+        total += table                   # in place
+    return total.argmin(axis=0), total.min(axis=0)
 
 
 class _Orders:

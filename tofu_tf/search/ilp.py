@@ -89,9 +89,9 @@ def solve_relaxation(problem: AxisProblem, lam: float = 0.0) -> Relaxation | Non
         import highspy
     except ImportError:
         return None
-    cost, matrix, rhs, offsets, num_x = _model(problem, lam)
+    cost, offsets, num_x = _costs(problem, lam)
     with _WARM.lock:
-        highs = _WARM.solver(highspy, problem, cost, matrix, rhs, num_x)
+        highs = _WARM.solver(highspy, problem, cost, lambda: _constraints(problem, offsets, len(cost)), num_x)
         highs.run()
         if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None
@@ -119,8 +119,9 @@ class _WarmStarts:
         self.lock = threading.Lock()
         self._solvers: dict[tuple, object] = {}
 
-    def solver(self, highspy, problem: AxisProblem, cost, matrix, rhs, num_x):
-        """A solver holding ``problem``'s relaxation (``cost`` set), warm where it can be."""
+    def solver(self, highspy, problem: AxisProblem, cost, constraints, num_x):
+        """A solver holding ``problem``'s relaxation (``cost`` set), warm where it can be;
+        ``constraints()`` gives the (matrix, right-hand side) a cold one needs."""
         key = problem.structure
         highs = self._solvers.get(key)
         if highs is not None:
@@ -133,6 +134,7 @@ class _WarmStarts:
         # per edge endpoint) and takes most of a cold solve's time; dual simplex without it is
         # several times faster to the same optimum (bench/README.md, planner table).
         highs.setOptionValue("presolve", "off")
+        matrix, rhs = constraints()
         lp = _lp(highspy, cost, matrix, rhs, num_x)
         lp.integrality_ = []
         highs.passModel(lp)
@@ -171,21 +173,34 @@ def _solve_highspy(highspy, cost, matrix, rhs, num_x, time_limit_s, mip_rel_gap,
 
 
 def _model(problem: AxisProblem, lam: float):
-    offsets, cost = [], []
-    for i, node in enumerate(problem.nodes):
-        offsets.append(len(cost))
-        cost.extend(problem.unary[i] + lam * problem.memory[i])
-    num_x = len(cost)
+    cost, offsets, num_x = _costs(problem, lam)
+    matrix, rhs = _constraints(problem, offsets, len(cost))
+    return cost, matrix, rhs, offsets, num_x
+
+
+def _costs(problem: AxisProblem, lam: float):
+    """The objective's coefficients: an ``x`` per node option, then a ``y`` per edge entry
+    (row-major); with the offset of each node's first ``x`` and the number of ``x``."""
+    parts = [problem.unary[i] + lam * problem.memory[i] for i in range(len(problem.nodes))]
+    offsets = np.cumsum([0] + [len(part) for part in parts[:-1]]).tolist() if parts else []
+    num_x = sum(len(part) for part in parts)
+    parts += [edge.cost.ravel() for edge in problem.edges]
+    cost = np.concatenate(parts).astype(np.float64, copy=False) if parts else np.zeros(0)
+    return cost, offsets, num_x
+
+
+def _constraints(problem: AxisProblem, offsets, num_cols: int):
+    """One option per node (``sum_a x_a = 1``), and each edge's ``y`` marginals equal to
+    its ends' ``x``: a function of the problem's structure only."""
     rows, cols, vals, rhs = [], [], [], []
     for i, node in enumerate(problem.nodes):
         row = len(rhs)
         for a in range(len(node.options)):
             rows.append(row), cols.append(offsets[i] + a), vals.append(1.0)
         rhs.append(1.0)
+    base = sum(len(node.options) for node in problem.nodes)
     for edge in problem.edges:
-        base = len(cost)
         nu, nv = edge.cost.shape
-        cost.extend(edge.cost.ravel())
         for a in range(nu):                      # sum_b y_ab - x_ua = 0
             row = len(rhs)
             rows.extend([row] * (nv + 1)), cols.extend([base + a * nv + b for b in range(nv)] + [offsets[edge.u] + a])
@@ -194,8 +209,9 @@ def _model(problem: AxisProblem, lam: float):
             row = len(rhs)
             rows.extend([row] * (nu + 1)), cols.extend([base + a * nv + b for a in range(nu)] + [offsets[edge.v] + b])
             vals.extend([1.0] * nu + [-1.0]), rhs.append(0.0)
-    matrix = sparse.csc_array((vals, (rows, cols)), shape=(len(rhs), len(cost)))
-    return np.asarray(cost, dtype=np.float64), matrix, np.asarray(rhs, dtype=np.float64), offsets, num_x
+        base += nu * nv
+    matrix = sparse.csc_array((vals, (rows, cols)), shape=(len(rhs), num_cols))
+    return matrix, np.asarray(rhs, dtype=np.float64)
 
 
 @contextlib.contextmanager

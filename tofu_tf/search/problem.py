@@ -173,6 +173,24 @@ class AxisProblem:
         return (tuple(len(node.options) for node in self.nodes), tuple((e.u, e.v) for e in self.edges))
 
 
+class AxisOptions:
+    """The options of one mesh axis that do not depend on its role, made once for the
+    problems of every role the axis is tried in: per op, its legal strategies with their
+    options (memory and compute priced); per weight group and split, its option.
+
+    They depend on the graph index, the decisions of the earlier axes and the axis size
+    only, so the builders sharing one must agree on those (checked by identity)."""
+
+    def __init__(self, index: GraphIndex, prior: Sequence[AxisDecision], n: int):
+        self.index, self.prior, self.n = index, tuple(prior), n
+        self.ops: dict[str, tuple[tuple[OpStrategy, tuple[Option, ...]], ...]] = {}
+        self.var_splits: dict[tuple[str, TensorSplit], Option | None] = {}
+
+    def serves(self, index: GraphIndex, prior: Sequence[AxisDecision], n: int) -> bool:
+        return (index is self.index and n == self.n and len(prior) == len(self.prior)
+                and all(a is b for a, b in zip(prior, self.prior)))
+
+
 class ProblemBuilder:
     """Builds the problem of mesh axis ``len(prior)`` given the axes decided before it.
 
@@ -180,14 +198,24 @@ class ProblemBuilder:
     it may read names, so a restricted problem is built without sharing blocks.
     ``role`` (``tofu_tf.search.targets.AxisRole``) says what the axis may split: a
     batch axis splits every batch input on dim 0 and no variable, a model axis splits
-    no batch input. It reads no names: blocks are still shared."""
+    no batch input. It reads no names: blocks are still shared.
+    ``options``: the ``AxisOptions`` the builders of this axis's other roles share."""
 
     def __init__(self, index: GraphIndex, prior: Sequence[AxisDecision], n: int, link: Link,
-                 restrict: Callable[[NodeId, Option], bool] | None = None, role: AxisRole = AxisRole.ANY):
+                 restrict: Callable[[NodeId, Option], bool] | None = None, role: AxisRole = AxisRole.ANY,
+                 options: AxisOptions | None = None):
         self.index, self.prior, self.n, self.link = index, tuple(prior), n, link
         self.restrict, self.role = restrict, role
         self.tensors = index.graph.tensors
-        self._matrices = index.matrix_cache      # shared by every axis problem of the graph
+        # Transfer tables by (splits, bytes), shared by every axis problem of the graph with this
+        # axis's size and link.
+        self._matrices = index.matrix_cache.setdefault((n, link), {})
+        self._bytes = index.tensor_bytes
+        if options is None:
+            options = AxisOptions(index, self.prior, n)
+        elif not options.serves(index, self.prior, n):
+            raise ValueError("AxisOptions of another axis: they hold one graph index, prior and size")
+        self.axis_options = options
 
     def can_build(self) -> bool:
         """Whether the axis can take its role: a batch axis needs every batch input's
@@ -311,15 +339,22 @@ class ProblemBuilder:
         pinned = group.key in self.index.pinned or self.role is AxisRole.BATCH
         splits = [REPLICATED] if pinned else self._legal_splits(group.shape, used)
         members = group.members
+        made = self.axis_options.var_splits
         for split in splits:
-            strategies = self._group_strategies(group, split)
-            if strategies is None:
-                continue
-            per_device = group.nbytes / shrink / (self.n if split.dim is not None else 1)
-            compute = sum(self._compute(op, strategy) for op, strategy in strategies.items())
-            options.append(Option(split.text(), tuple(strategies[m] for m in members), split, 0.0, per_device,
-                                  compute))
+            key = (group.key, split)
+            if key not in made:
+                made[key] = self._var_option(group, split, shrink, members)
+            if made[key] is not None:
+                options.append(made[key])
         return options
+
+    def _var_option(self, group: VarGroup, split: TensorSplit, shrink: int, members) -> Option | None:
+        strategies = self._group_strategies(group, split)
+        if strategies is None:
+            return None
+        per_device = group.nbytes / shrink / (self.n if split.dim is not None else 1)
+        compute = sum(self._compute(op, strategy) for op, strategy in strategies.items())
+        return Option(split.text(), tuple(strategies[m] for m in members), split, 0.0, per_device, compute)
 
     def _compute(self, op_name: str, strategy: OpStrategy) -> float:
         """Seconds of ``op_name`` on one device: its work over the devices splitting it so far."""
@@ -360,14 +395,23 @@ class ProblemBuilder:
         return options
 
     def _op_options(self, name: str) -> list[Option]:
+        made = self.axis_options.ops.get(name)
+        if made is None:
+            made = self.axis_options.ops[name] = self._legal_op_options(name)
+        if self.role is not AxisRole.MODEL:
+            return [option for _, options in made for option in options]
+        op, batch_dims = self.index.ops[name], self.index.batch_dims(self.n)
+        return [option for strategy, options in made if not _splits_the_batch(op, strategy, batch_dims)
+                for option in options]
+
+    def _legal_op_options(self, name: str) -> tuple[tuple[OpStrategy, tuple[Option, ...]], ...]:
+        """Per strategy legal after the earlier axes, its options (any role's)."""
         op = self.index.ops[name]
-        options = []
-        batch_dims = self.index.batch_dims(self.n) if self.role is AxisRole.MODEL else None
+        out = []
         for strategy in self.index.strategies(name, self.n):
             if not self._strategy_legal(name, strategy):
                 continue
-            if batch_dims is not None and _splits_the_batch(op, strategy, batch_dims):
-                continue
+            options = []
             memory = 0.0
             for i, t in enumerate(op.outputs):
                 if t in self.index.peak_live:
@@ -379,7 +423,8 @@ class ProblemBuilder:
             for grads in _grad_choices(strategy, tied):
                 label = strategy.name + "".join(f"/d{k}={g.text()}" for k, g in grads if g.partial is not None)
                 options.append(Option(label, (strategy,), None, 0.0, memory, compute, grads))
-        return options
+            out.append((strategy, tuple(options)))
+        return tuple(out)
 
     def _strategy_legal(self, name: str, strategy: OpStrategy) -> bool:
         """DTensor's rules: a dim split on an earlier axis is not split again; splits divide.
@@ -415,19 +460,23 @@ class ProblemBuilder:
 
     # edges ------------------------------------------------------------------------
     def _add_use(self, use: Use, nodes, unary, pair_costs, shared) -> None:
-        nbytes = self.tensors[use.source].num_bytes / self._prior_factor(use.consumer, input=use.j)
+        source = use.source
+        nbytes = self._bytes.get(source)
+        if nbytes is None:
+            nbytes = self._bytes[source] = self.tensors[source].num_bytes
+        nbytes = nbytes / self._prior_factor(use.consumer, input=use.j)
         if use.tie is not None:
             pu, k = use.tie
-            src = tuple(o.grad(k) for o in nodes[pu].options)
+            src = tuple([o.grad(k) for o in nodes[pu].options])
         else:
             pu, member, out = use.producer_node, use.producer_member, use.out_index
-            src = tuple(o.strategies[member].outputs[out] for o in nodes[pu].options)
+            src = tuple([o.strategies[member].outputs[out] for o in nodes[pu].options])
         member, j = use.consumer_member, use.j
-        dst = tuple(o.strategies[member].inputs[j] for o in nodes[use.consumer_node].options)
+        dst = tuple([o.strategies[member].inputs[j] for o in nodes[use.consumer_node].options])
         self._add_matrix(use.consumer_node, pu, self._transfer_matrix(src, dst, nbytes), unary, pair_costs, shared)
 
     def _transfer_matrix(self, src: tuple, dst: tuple, nbytes: float) -> np.ndarray:
-        key = (src, dst, nbytes, self.n, self.link)
+        key = (src, dst, nbytes)
         matrix = self._matrices.get(key)
         if matrix is None:
             table = {(s, d): transfer_seconds(s, d, nbytes, self.n, self.link) for s in set(src) for d in set(dst)}

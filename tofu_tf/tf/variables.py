@@ -496,7 +496,7 @@ def _draw_together(drawn) -> list:
         def draw(indices=indices):
             return [initializers[i](layout=drawn[i][1]) for i in indices]
 
-        with dtensor.default_mesh(mesh):
+        with dtensor.default_mesh(mesh), keras_adapter.tf_keras_sharded_draws():
             for index, value in zip(indices, draw()):
                 values[index] = value
     return values
@@ -537,17 +537,12 @@ _WHOLE_VALUE_LOG_ELEMENTS = 1 << 16
 
 def _seeded(initial_value: functools.partial) -> functools.partial:
     """tf-keras initializers refuse to draw sharded values without a seed (so
-    that every shard agrees on one random stream); give an unseeded one a seed
-    drawn from numpy's generator, which a user's ``set_random_seed`` fixes."""
+    that every shard agrees on one random stream); give an unseeded one the seed
+    tf-keras would draw for it on one device (``keras_adapter.tf_keras_seed``)."""
     initializer = initial_value.func
-    if type(initializer).__module__.startswith("tf_keras"):
-        seed = keras_adapter.ensure_tf_keras_seeded()
-        if seed is not None:
-            logging.warning("TofuStrategy seeded tf-keras with %d to initialize sharded variables; "
-                            "call tf_keras.utils.set_random_seed() to choose the seed.", seed)
     if getattr(initializer, "seed", 0) is not None or not hasattr(initializer, "get_config"):
         return initial_value
-    config = dict(initializer.get_config(), seed=int(np.random.randint(0, 2**31 - 1)))
+    config = dict(initializer.get_config(), seed=keras_adapter.tf_keras_seed())
     return functools.partial(type(initializer).from_config(config), *initial_value.args, **initial_value.keywords)
 
 

@@ -259,6 +259,18 @@ CHANGES: tuple[Change, ...] = (
             "its variable: every variable compiled its own handle program",
         packages=("tensorflow",), site="tofu_tf.tf.compat.process"),
     Change(
+        name="tf_keras_seed_generator_lent",
+        replaces="tf-keras' global seed generator (backend._SEED_GENERATOR.generator, a threading.local), "
+                 "when the user set none: a stand-in that refuses to be consulted, while sharded initial "
+                 "values are drawn; unseeded initializers get the seed tf-keras would draw "
+                 "(tf_utils.get_random_seed)",
+        targets=("tf_keras.src.backend:_SEED_GENERATOR", "tf_keras.src.utils.tf_utils:get_random_seed",
+                 "tf_keras.src.initializers.initializers:_ensure_keras_seeded"),
+        scope=Scope.CREATION, undone="on exit of the draw, also on error; other threads never see it",
+        why="tf-keras initializers refuse to draw sharded values until a global seed generator is set; "
+            "tf_keras.utils.set_random_seed would also reseed Python's random, numpy and TensorFlow",
+        packages=("tf-keras",), site="tofu_tf.tf.keras_adapter"),
+    Change(
         name="variable_reads_forward_writes",
         replaces="DVariable subclassed (TofuVariable: _read_variable_op, scatter_add); a DeferredVariable's "
                  "__class__ set to TofuVariable in place when the plan lays it out",
@@ -287,15 +299,6 @@ CHANGES: tuple[Change, ...] = (
         why="tf-keras' summary() divides by the weights' per-device size, 0 while every weight waits "
             "for its layout (ZeroDivisionError); the replacement changes only a TofuStrategy's unplanned models",
         packages=("tf-keras",), site="tofu_tf.tf.compat.process"),
-    Change(
-        name="tf_keras_seeded",
-        replaces="tf-keras' global seed, when unseeded: tf_keras.utils.set_random_seed(a seed drawn from "
-                 "numpy), which seeds Python's random, numpy, TensorFlow and tf-keras' _SEED_GENERATOR",
-        targets=("tf_keras.utils:set_random_seed", "tf_keras.src.backend:_SEED_GENERATOR"),
-        scope=Scope.PROCESS, undone="never: a seed drawn from cannot be taken back (logged as a warning)",
-        why="tf-keras initializers refuse to draw sharded values unseeded, so that every shard follows "
-            "one random stream",
-        packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.keras_adapter"),
     Change(
         name="keras3_initializer_read",
         replaces="nothing: reads the Keras variable in the closure of Keras 3's initial-value lambda "
