@@ -156,6 +156,7 @@ class PipelinePlan:
     num_microbatches: int
     micro_batch_size: int
     stages: tuple[Stage, ...]
+    recommendation: hybrid_lib.HybridCandidate | None = None    # what pipeline="auto" took
 
     @property
     def num_stages(self) -> int:
@@ -186,6 +187,10 @@ class PipelinePlan:
     def summary(self) -> str:
         lines = [f"pipeline of {self.num_stages} stages, {self.schedule.value}, {self.num_microbatches} micro-batches "
                  f"of {self.micro_batch_size}"]
+        if self.recommendation is not None:
+            best = self.recommendation
+            lines.append(f"  pipeline='auto': recommend_hybrid's best split {best.shape} (pp x tp x dp), predicted "
+                         f"peak {best.predicted_peak_bytes / 2**20:.1f} MiB per device")
         for stage in self.stages:
             devices = ", ".join(stage.device_names)
             split = sum(1 for layout in stage.plan.variable_layouts.values() if any(layout))
@@ -338,8 +343,8 @@ def build_plan(model, request: PipelineRequest, *, batch_size: int, loss, optimi
     if device_set.cluster.is_multi_client:
         raise PipelineError("pipeline= runs in one process: a multi-client TofuStrategy plans one mesh over all "
                             "clients; drop pipeline= or run on one host")
-    request = _resolved(model, request, batch_size=batch_size, loss=loss, optimizer=optimizer,
-                        num_devices=num_devices, memory_budget_bytes=memory_budget_bytes)
+    request, recommendation = _resolved(model, request, batch_size=batch_size, loss=loss, optimizer=optimizer,
+                                        num_devices=num_devices, memory_budget_bytes=memory_budget_bytes)
     num_stages = request.num_stages
     count = choose_microbatches(request, num_stages, batch_size)
     micro = batch_size // count
@@ -376,14 +381,15 @@ def build_plan(model, request: PipelineRequest, *, batch_size: int, loss, optimi
         stages.append(Stage(index=index, layers=layers[index], model=stage_model, plan=plan, lowered=lowered,
                             weight_paths=keras_adapter.weight_paths(stage_model)))
     return PipelinePlan(schedule=request.schedule, num_microbatches=count, micro_batch_size=micro,
-                        stages=tuple(stages))
+                        stages=tuple(stages), recommendation=recommendation)
 
 
 def _resolved(model, request: PipelineRequest, *, batch_size, loss, optimizer, num_devices,
-              memory_budget_bytes) -> PipelineRequest:
-    """``pipeline="auto"``: the hybrid recommendation's best candidate for the budget."""
+              memory_budget_bytes) -> tuple[PipelineRequest, "hybrid_lib.HybridCandidate | None"]:
+    """``pipeline="auto"``: the hybrid recommendation's best candidate for the budget, and that
+    candidate (None for any other request)."""
     if request.num_stages is not None:
-        return request
+        return request, None
     from tofu_tf.pipeline import keras_stats
 
     best = keras_stats.recommend_hybrid(model, num_devices=num_devices, batch_size=batch_size, loss=loss,
@@ -393,7 +399,7 @@ def _resolved(model, request: PipelineRequest, *, batch_size, loss, optimizer, n
     logging.info("TofuStrategy: pipeline='auto' takes the recommended %s (pp x tp x dp), %d micro-batches",
                  best.shape, best.num_microbatches)
     return PipelineRequest(best.pp, request.schedule, request.num_microbatches or best.num_microbatches,
-                           tuple(best.boundaries), stage_mesh(best.dp, best.tp))
+                           tuple(best.boundaries), stage_mesh(best.dp, best.tp)), best
 
 
 def _capture_stage(stage_model, last: bool, *, micro, loss, optimizer, labels, features, entering):
