@@ -428,6 +428,24 @@ class _InFlight:
     target: object            # the scaled loss (last stage) or the stage's output
 
 
+@dataclasses.dataclass
+class _Step:
+    """What one training step carries between the schedule's actions."""
+
+    xs: list                  # micro-batches of the features, on the host
+    ys: list
+    ws: list
+    scale: tf.Tensor          # 1 / num_microbatches
+    micro: int
+    stage_vars: list          # each stage's trainable variables
+    totals: list              # each stage's gradient sums, variable by variable
+    live: list                # micro-batches each stage holds now
+    peaks: list               # ... and held at most
+    received: dict = dataclasses.field(default_factory=dict)       # (stage, micro-batch) -> its input
+    gradients_in: dict = dataclasses.field(default_factory=dict)   # (stage, micro-batch) -> output gradient
+    flight: dict = dataclasses.field(default_factory=dict)         # (stage, micro-batch) -> _InFlight
+
+
 class PipelineRunner:
     """Runs ``fit``'s, ``evaluate``'s and ``predict``'s steps of a pipelined model.
 
@@ -444,6 +462,9 @@ class PipelineRunner:
         self._optimizer_scope = optimizer_scope
         self._functions: dict = {}
         self.inflight_peaks: tuple[int, ...] = ()
+        # Set by a benchmark: ``measure(stage, work)`` runs ``work`` and accounts the memory it
+        # leaves and peaks at to ``stage`` (bench/pipeline_runs.py).
+        self.memory_probe = None
 
     @property
     def plan(self) -> PipelinePlan:
@@ -518,56 +539,73 @@ class PipelineRunner:
     def _train_step(self, data):
         x, y, sample_weight = _keras_of(self._model).utils.unpack_x_y_sample_weight(data)
         plan = self._plan
-        count, last = plan.num_microbatches, plan.num_stages - 1
+        count = plan.num_microbatches
         batch = _leading_dim(x)
         if batch % count:
             raise PipelineError(f"a batch of {batch} samples does not split into {count} micro-batches: use a "
                                 f"batch size divisible by {count} (drop_remainder=True for a dataset)")
-        xs, ys, ws = self._split(x, count), self._split(y, count), self._split(sample_weight, count)
         stage_vars = [stage.model.trainable_variables for stage in plan.stages]
-        totals: list[list] = [[None] * len(variables) for variables in stage_vars]
-        received: dict = {}
-        gradients_in: dict = {}
-        flight: dict = {}
-        live = [0] * plan.num_stages
-        peaks = [0] * plan.num_stages
-        scale = tf.constant(1.0 / count)
+        step = _Step(xs=self._split(x, count), ys=self._split(y, count), ws=self._split(sample_weight, count),
+                     scale=tf.constant(1.0 / count), micro=batch // count, stage_vars=stage_vars,
+                     totals=[[None] * len(variables) for variables in stage_vars],
+                     live=[0] * plan.num_stages, peaks=[0] * plan.num_stages)
         for action in self._order:
-            s, i = action.stage, action.microbatch
             if action.pass_ is schedule_lib.Pass.FORWARD:
-                inputs = self._on_stage(0, xs[i]) if s == 0 else received.pop((s, i))
-                tape = tf.GradientTape()
-                with tape:
-                    if s > 0:
-                        tape.watch(inputs)
-                    if s == last:
-                        target = self._stage_function(s, True, True)(
-                            inputs, self._on_stage(s, ys[i]), self._on_stage(s, ws[i]), scale, batch // count)
-                    else:
-                        target = self._stage_function(s, True, False)(inputs)
-                if s < last:
-                    received[(s + 1, i)] = self._onto(s + 1, target)
-                flight[(s, i)] = _InFlight(tape, inputs, target)
-                live[s] += 1
-                peaks[s] = max(peaks[s], live[s])
+                self._forward_action(step, action.stage, action.microbatch)
             else:
-                held = flight.pop((s, i))
-                sources = list(stage_vars[s]) + ([held.inputs] if s > 0 else [])
-                grads = held.tape.gradient(held.target, sources,
-                                           output_gradients=None if s == last else gradients_in.pop((s, i)))
-                del held
-                live[s] -= 1
-                for k, grad in enumerate(grads[:len(stage_vars[s])]):
-                    totals[s][k] = _accumulate(totals[s][k], grad)
-                if s > 0:
-                    gradients_in[(s - 1, i)] = self._onto(s - 1, grads[-1], like=flight[(s - 1, i)].target)
-        self.inflight_peaks = tuple(peaks)
-        pairs = [(grad, var) for variables, grads in zip(stage_vars, totals)
+                self._backward_action(step, action.stage, action.microbatch)
+        self.inflight_peaks = tuple(step.peaks)
+        pairs = [(grad, var) for variables, grads in zip(stage_vars, step.totals)
                  for var, grad in zip(variables, grads) if grad is not None]
         with self._optimizer_scope():
             self._model.optimizer.apply_gradients(pairs)
         self._count("train")
         return self._results()
+
+    def _on(self, stage: int, work: Callable):
+        """``work()``, which allocates on ``stage``'s devices only, measured by ``memory_probe``."""
+        return work() if self.memory_probe is None else self.memory_probe.measure(stage, work)
+
+    def _forward_action(self, step: "_Step", s: int, i: int) -> None:
+        last = self._plan.num_stages - 1
+        inputs = self._on(s, lambda: self._on_stage(0, step.xs[i])) if s == 0 else step.received.pop((s, i))
+
+        def forward():
+            tape = tf.GradientTape()
+            with tape:
+                if s > 0:
+                    tape.watch(inputs)
+                if s == last:
+                    target = self._stage_function(s, True, True)(
+                        inputs, self._on_stage(s, step.ys[i]), self._on_stage(s, step.ws[i]), step.scale, step.micro)
+                else:
+                    target = self._stage_function(s, True, False)(inputs)
+            step.flight[(s, i)] = _InFlight(tape, inputs, target)
+            return target
+        target = self._on(s, forward)
+        if s < last:
+            step.received[(s + 1, i)] = self._on(s + 1, lambda: self._onto(s + 1, target))
+        step.live[s] += 1
+        step.peaks[s] = max(step.peaks[s], step.live[s])
+
+    def _backward_action(self, step: "_Step", s: int, i: int) -> None:
+        last = self._plan.num_stages - 1
+        variables = step.stage_vars[s]
+
+        def backward():
+            held = step.flight.pop((s, i))
+            sources = list(variables) + ([held.inputs] if s > 0 else [])
+            grads = held.tape.gradient(held.target, sources,
+                                       output_gradients=None if s == last else step.gradients_in.pop((s, i)))
+            for k, grad in enumerate(grads[:len(variables)]):
+                step.totals[s][k] = _accumulate(step.totals[s][k], grad)
+            return grads[-1] if s > 0 else None
+        sent = [self._on(s, backward)]          # the input's gradient, on this stage until sent
+        step.live[s] -= 1
+        if s > 0:
+            like = step.flight[(s - 1, i)].target
+            step.gradients_in[(s - 1, i)] = self._on(s - 1, lambda: self._onto(s - 1, sent[0], like=like))
+        self._on(s, sent.clear)
 
     def _forward(self, x, *, through_last: bool = True):
         value = self._on_stage(0, x)
