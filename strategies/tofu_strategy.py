@@ -530,6 +530,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         where the strategy learns what the loop trains: until then batches wait on the
         host (``batches.PendingValue``).
         """
+        if isinstance(dataset, batches_lib.DistributedBatches):
+            # tf-keras distributes a DatasetCreator's dataset (distribute_datasets_from_function)
+            # and then again, as it does any dataset not of TF's distributed types: already ours.
+            return dataset
         model = keras_hooks.find_model_in_stack()
         if model is not None:
             self._prepare(model)
