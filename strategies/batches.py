@@ -75,6 +75,32 @@ class BatchPlacer:
         return variables_lib.scatter_from_host(array, self.layout(array.shape))
 
 
+def number_lists_as_tensors(structure):
+    """Each list of Python numbers in ``structure`` (nested lists too) as the one tensor
+    ``tf.convert_to_tensor`` makes of it; other values as they are.
+
+    tf-keras's tests pass a metric its labels and predictions as lists (``strategy.run(metric,
+    args=([0, 1, 1], [0.2, 0.6, 0.9]))``), which a function converts to one tensor, as
+    MirroredStrategy's replicas do. Laid out number by number, they came as scalars of mixed
+    dtypes (int64 and double: DTensor's Pack refused them)."""
+    def numbers(value):
+        if isinstance(value, list):
+            return bool(value) and all(numbers(item) for item in value)
+        return isinstance(value, (int, float))          # bool is an int
+
+    def convert(value):
+        if isinstance(value, list) and numbers(value):
+            return tf.convert_to_tensor(value)
+        if isinstance(value, dict):
+            return type(value)((key, convert(item)) for key, item in value.items())
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*(convert(item) for item in value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(convert(item) for item in value)
+        return value
+    return convert(structure)
+
+
 def place_batch(placer: BatchPlacer, batch):
     """Every tensor of a (nested) batch on the mesh."""
     return tf.nest.map_structure(placer.place, batch)

@@ -481,3 +481,28 @@ def test_a_bare_layer_run_on_a_batch_taken_inside_the_tf_function_computes_as_on
     for got, want in zip(gradients(TofuStrategy(8)), gradients(tf.distribute.get_strategy())):
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tf_keras.metrics.AUC(num_thresholds=3),
+    lambda: tf_keras.metrics.Precision(),
+    lambda: tf_keras.metrics.Recall(),
+    lambda: tf_keras.metrics.PrecisionAtRecall(0.5, num_thresholds=10),
+], ids=["auc", "precision", "recall", "precision_at_recall"])
+def test_a_metric_run_eagerly_on_python_lists_gives_one_devices_result(make):
+    """keras_metrics_test's steps: strategy.run(metric, args=(labels, predictions)) eagerly, the
+    two as Python lists. Before: the lists were laid out number by number (Pack refused int64
+    beside double), and Precision's thresholds, a host tensor, met the batch on the mesh in an
+    eager op (Tile refused a regular tensor)."""
+    labels, predictions = [0, 0, 1, 1, 0, 1], [0, 0.5, 0.3, 0.9, 0.6, 0.8]
+    want = make()
+    want.update_state(labels, predictions)
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        metric = make()
+    update = strategy.run(metric, args=(labels, predictions))
+    np.testing.assert_allclose(update.numpy(), want.result().numpy(), rtol=1e-6)   # run's result reads on the host
+    np.testing.assert_allclose(float(metric.result()), float(want.result()), rtol=1e-6)
+    strategy.run(metric.update_state, args=(labels, predictions))               # a method, traced once more
+    want.update_state(labels, predictions)
+    np.testing.assert_allclose(float(metric.result()), float(want.result()), rtol=1e-6)
