@@ -6,6 +6,9 @@ under MirroredStrategy and failed under TofuStrategy:
 - a ``tf.keras.utils.experimental.DatasetCreator``: tf-keras distributes its dataset with
   ``distribute_datasets_from_function`` and then once more, as any dataset that is not one of
   TF's distributed types (before: ``'DistributedBatches' object has no attribute 'options'``);
+- ``predict`` with ``steps_per_execution`` above one: tf-keras's predict function returns the
+  outputs of every step it runs, concatenated; TofuStrategy's returned the last step's only
+  (before: a third of the predictions, silently; the test's ``IndexError``);
 - a ``binary_crossentropy`` model with one sigmoid output, ``(b, 1)``, and labels ``(b,)``:
   ``compile`` wraps the loss function so that it expands the labels to the predictions' rank;
   the step TofuStrategy captured for planning called the bare function (before: a shape error,
@@ -73,3 +76,15 @@ def test_binary_crossentropy_with_labels_of_one_rank_less_than_the_outputs_train
     np.testing.assert_allclose(history, want, rtol=1e-5)
     for got, expected in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_predict_with_several_steps_per_execution_returns_every_steps_predictions():
+    x, _ = _data((1,))
+    strategy = TofuStrategy(8)
+    model = _model(strategy)
+    model.compile(keras.optimizers.legacy.SGD(0.1), loss="mse", steps_per_execution=3)
+    reference = _model(tf.distribute.get_strategy())
+    reference.set_weights(model.get_weights())
+    got = model.predict(x, batch_size=_BATCH, verbose=0)          # 4 batches: one execution of 3, one of 1
+    assert got.shape == (64, 1)
+    np.testing.assert_allclose(got, reference.predict(x, batch_size=_BATCH, verbose=0), rtol=1e-5, atol=1e-6)
