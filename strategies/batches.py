@@ -10,12 +10,15 @@ weights keep their layouts either way). Each batch then computes exactly what
 it computes on one device, the partial last one included.
 
 The steps that consume these batches run one batch at a time
-(``tofu_tf.strategies.step_functions``), so the batches can differ in shape.
+(``tofu_tf.strategies.step_functions``), so the batches can differ in shape. A custom
+loop that takes its batches inside its ``tf.function`` gets each as an input of the
+function, laid out at each call (``tofu_tf.strategies.traced_batches``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import numpy as np
@@ -24,6 +27,7 @@ from absl import logging
 from tensorflow.experimental import dtensor
 
 from tofu_tf.errors import TofuError
+from tofu_tf.strategies import traced_batches
 from tofu_tf.tf import variables as variables_lib
 
 
@@ -69,6 +73,32 @@ class BatchPlacer:
             return value
         array = value.numpy() if tf.is_tensor(value) else np.asarray(value)
         return variables_lib.scatter_from_host(array, self.layout(array.shape))
+
+
+def number_lists_as_tensors(structure):
+    """Each list of Python numbers in ``structure`` (nested lists too) as the one tensor
+    ``tf.convert_to_tensor`` makes of it; other values as they are.
+
+    tf-keras's tests pass a metric its labels and predictions as lists (``strategy.run(metric,
+    args=([0, 1, 1], [0.2, 0.6, 0.9]))``), which a function converts to one tensor, as
+    MirroredStrategy's replicas do. Laid out number by number, they came as scalars of mixed
+    dtypes (int64 and double: DTensor's Pack refused them)."""
+    def numbers(value):
+        if isinstance(value, list):
+            return bool(value) and all(numbers(item) for item in value)
+        return isinstance(value, (int, float))          # bool is an int
+
+    def convert(value):
+        if isinstance(value, list) and numbers(value):
+            return tf.convert_to_tensor(value)
+        if isinstance(value, dict):
+            return type(value)((key, convert(item)) for key, item in value.items())
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*(convert(item) for item in value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(convert(item) for item in value)
+        return value
+    return convert(structure)
 
 
 def place_batch(placer: BatchPlacer, batch):
@@ -142,6 +172,8 @@ class DistributedBatches:
         self._batches = int(dataset.cardinality().numpy())
 
     def __iter__(self):
+        if traced_batches.in_trace():            # iter(dist) or `for x in dist` inside a tf.function
+            return traced_batches.EpochInTrace(self._dataset, functools.partial(_place_now, self._placer))
         return _PlacingIterator(iter(self._dataset), self._placer)
 
     def __len__(self):
@@ -157,19 +189,28 @@ class DistributedBatches:
         return self._dataset.element_spec
 
 
+def _place_now(placer: Callable[[], BatchPlacer | None], batch):
+    """A host batch laid out on the mesh (on the host while no plan exists)."""
+    current = placer()
+    return batch if current is None else place_batch(current, batch)
+
+
 class _PlacingIterator:
+    """The batches of an iterator made eagerly. Taken eagerly, each comes laid out on the mesh
+    (or pending, before the plan); taken inside a tf.function the iterator is passed to, each
+    becomes an input of the function (``traced_batches.ReadAhead``)."""
+
     def __init__(self, iterator, placer: Callable[[], BatchPlacer | None]):
-        self._iterator = iterator
         self._placer = placer
+        self._batches = traced_batches.ReadAhead(iterator, functools.partial(_place_now, placer))
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        try:
-            batch = next(self._iterator)
-        except tf.errors.OutOfRangeError as error:
-            raise StopIteration from error
+        if traced_batches.in_trace():
+            return self._batches.next_in_trace()
+        batch = self._batches.next_eager()
         placer = self._placer()
         if placer is None:
             return tf.nest.map_structure(
@@ -178,3 +219,7 @@ class _PlacingIterator:
 
     def get_next(self):
         return next(self)
+
+    def __tf_tracing_type__(self, context):
+        del context
+        return traced_batches.IteratorTraceType(self, self._batches.peek_signature())

@@ -194,12 +194,18 @@ def _iterator_function(model, steps: SignatureSteps, keras3: bool, *, gather: bo
 
     def function(iterator):
         iterator = iter(iterator)           # Keras 3's train_on_batch passes a list of one batch
-        outputs, ran = None, False
+        outputs, gathered, ran = None, [], False
         for data in itertools.islice(iterator, _steps_per_execution(model, keras3)):
             outputs, ran = steps(data), True
+            if gather:                      # predict returns every step's outputs, concatenated
+                gathered.append(tf.nest.map_structure(batches_lib.to_host, outputs))
         if not ran:
             raise StopIteration
-        return tf.nest.map_structure(batches_lib.to_host, outputs) if gather else outputs
+        if not gather:
+            return outputs                  # train/test: the last step's logs, as Keras returns them
+        if len(gathered) == 1:
+            return gathered[0]
+        return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *gathered)
     return function
 
 

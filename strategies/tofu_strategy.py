@@ -40,6 +40,7 @@ import json
 import time
 import weakref
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 from tensorflow.experimental import dtensor
@@ -54,6 +55,7 @@ from tofu_tf.errors import TofuError
 from tofu_tf.strategies import batches as batches_lib
 from tofu_tf.strategies import keras_hooks
 from tofu_tf.strategies import layout_maps
+from tofu_tf.strategies import metric_runs
 from tofu_tf.strategies import pipelined
 from tofu_tf.strategies import step_functions
 from tofu_tf.tf import devices as devices_lib
@@ -638,6 +640,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         where the strategy learns what the loop trains: until then batches wait on the
         host (``batches.PendingValue``).
         """
+        if isinstance(dataset, batches_lib.DistributedBatches):
+            # tf-keras distributes a DatasetCreator's dataset (distribute_datasets_from_function)
+            # and then again, as it does any dataset not of TF's distributed types: already ours.
+            return dataset
         model = keras_hooks.find_model_in_stack()
         if model is not None:
             self._prepare(model)
@@ -674,6 +680,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         if self._lowered is None:
             with tf.init_scope():                  # capture and the variables' creation run outside any trace
                 self._plan_from_step(fn, model, args, kwargs)
+        if tf.executing_eagerly():
+            args, kwargs = batches_lib.number_lists_as_tensors((args, kwargs))
+            fn = metric_runs.metric_as_function(fn)
         args = tf.nest.map_structure(self._to_batch_layout, args)
         kwargs = tf.nest.map_structure(self._to_batch_layout, kwargs)
         if _captures_off_mesh(fn):
@@ -910,9 +919,17 @@ def _global_value(value):
     return value.get_dtensor() if isinstance(value, dtensor_util.DTensorDistributedValue) else value
 
 
+class _GlobalDistributedValue(dtensor_util.DTensorDistributedValue):
+    """A value ``run`` returned, which reads as its global value on the host (``numpy()``), as a
+    tensor does: ``tf.test.TestCase.evaluate`` of a run's result (a metric's) read none."""
+
+    def numpy(self):
+        return np.asarray(batches_lib.to_host(self.get_dtensor()))
+
+
 def _as_distributed_value(value):
     if tf.is_tensor(value) and not isinstance(value, tf.Variable):
-        return dtensor_util.DTensorDistributedValue(value)
+        return _GlobalDistributedValue(value)
     return value
 
 

@@ -164,6 +164,29 @@ def test_an_open_input_dimension_is_planned_from_the_batch():
     assert [graph.tensors[name].shape for name in _inputs(graph)] == [(2, 5, 4), (2, 5, 3)]
 
 
+def test_a_model_revived_from_a_savedmodel_is_captured_at_the_batch_shapes(tmp_path):
+    """A subclassed model loaded from a SavedModel calls the functions saved with it, traced for
+    any batch size (None): each is imported again for the shapes the step calls it with, its
+    variable reads given their variables' shapes (was: DynamicShapeError, (None, 5))."""
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(5)
+
+        def call(self, x):
+            return self.dense(x)
+
+    net = Net()
+    net(tf.zeros((2, 3)))
+    net.save(str(tmp_path / "net"), save_format="tf")
+    revived = keras.models.load_model(str(tmp_path / "net"))
+    graph = tofu_tf.capture_training_step(revived, batch_size=16, loss="mse", optimizer="sgd",
+                                          features=tf.TensorSpec((16, 3), tf.float32))
+    assert all(None not in t.shape for t in graph.tensors.values())
+    assert sorted(v.shape for v in graph.weights()) == [(3, 5), (5,)]
+    assert any(op.type == "MatMul" and graph.tensors[op.outputs[0]].shape == (16, 5) for op in graph.ops)
+
+
 @pytest.mark.parametrize("framework", ["tf_keras", "keras3"])
 def test_dict_inputs_keep_their_structure_and_names(framework):
     """Every keras-hub model takes a dict of inputs; capture called models with a flat

@@ -354,3 +354,155 @@ def test_tfs_custom_training_tutorial_as_written_trains_as_one_device(framework,
     tf.train.Checkpoint(model=restored).restore(tf.train.latest_checkpoint(str(tmp_path / "tofu"))).expect_partial()
     for got, want in zip(restored.get_weights(), tofu["model"].get_weights()):
         np.testing.assert_array_equal(got, want)
+
+
+# tf-keras's ctl_correctness_test and custom_training_loop_models_test take their batches inside
+# the tf.function they call, from a dataset batched without drop_remainder (batch size unknown
+# to the graph; 40 samples in batches of 16 end with a partial batch of 8). Before: PlanningError
+# ("this batch's size is unknown").
+_IN_FUNCTION_BATCH = 16
+
+
+def _in_function_data():
+    rng = np.random.default_rng(5)
+    x = rng.random((40, 3)).astype("float32")
+    return tf.data.Dataset.from_tensor_slices((x, 3 * x[:, :1])).batch(_IN_FUNCTION_BATCH)
+
+
+def _train_taking_batches_in_function(strategy, how):
+    """Train as ctl_correctness_test's iteration_inside_func does (``how``: "next_in_call" passes
+    an iterator to a step taking next(); "iter_in_call" makes the iterator inside an epoch
+    function and takes two batches; "for_in_call" loops over the whole dataset inside it)."""
+    with strategy.scope():
+        tf_keras.utils.set_random_seed(2)
+        model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(8, activation="relu"),
+                                     tf_keras.layers.BatchNormalization(), tf_keras.layers.Dense(1)])
+        optimizer = tf_keras.optimizers.SGD(0.1)
+    dist = strategy.experimental_distribute_dataset(_in_function_data())
+
+    def step_fn(inputs):
+        samples, labels = inputs
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(tf_keras.losses.mean_squared_error(labels, model(samples, training=True)),
+                                              global_batch_size=_IN_FUNCTION_BATCH)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    def run(inputs):
+        return strategy.reduce("SUM", strategy.run(step_fn, args=(inputs,)), axis=None)
+
+    @tf.function
+    def step(iterator):
+        return run(next(iterator))
+
+    @tf.function
+    def epoch(dataset):
+        total = 0.0
+        if how == "iter_in_call":
+            iterator = iter(dataset)
+            for _ in range(2):
+                total += run(next(iterator))
+        else:
+            for inputs in dataset:
+                total += run(inputs)
+        return total
+
+    if how == "next_in_call":
+        iterator = iter(dist)
+        losses = [float(step(iterator)) for _ in range(3)]             # 16, 16, then the partial 8
+    else:
+        losses = [float(epoch(dist)) for _ in range(2)]
+    return losses, model.get_weights()
+
+
+@pytest.mark.parametrize("how", ["next_in_call", "iter_in_call", "for_in_call"])
+def test_batches_taken_inside_the_tf_function_train_as_one_device(how):
+    want_losses, want_weights = _train_taking_batches_in_function(tf.distribute.get_strategy(), how)
+    strategy = TofuStrategy(8)
+    losses, weights = _train_taking_batches_in_function(strategy, how)
+    assert strategy.plan is not None
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for got, want in zip(weights, want_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_taken_inside_the_tf_function_of_another_shape_than_traced_is_refused(monkeypatch):
+    """Never a silent wrong shape: a step taking two batches per call meets the partial batch
+    second (the iterator keys the trace by its next batch only); an unrolled loop longer than
+    the limit is refused, naming the way out."""
+    from tofu_tf.strategies import traced_batches
+
+    strategy = TofuStrategy(8)
+    loop = _Loop(tf_keras, strategy)
+    dist = strategy.experimental_distribute_dataset(_dataset())          # 16, 16, 16, then 8
+
+    @tf.function
+    def two_steps(iterator):
+        return [strategy.run(loop.train_step, args=(next(iterator),)) for _ in range(2)]
+
+    iterator = iter(dist)
+    two_steps(iterator)
+    with pytest.raises(traced_batches.TracedBatchError, match=r"has shapes .* where the tf.function was traced for"):
+        two_steps(iterator)
+    monkeypatch.setattr(traced_batches, "MAX_UNROLLED_BATCHES", 1)
+
+    @tf.function
+    def epoch(dataset):
+        for batch in dataset:
+            strategy.run(loop.train_step, args=(batch,))
+
+    with pytest.raises(Exception, match=r"TracedBatchError: .* more than 1 batches.*Iterate outside the tf.function"):
+        epoch(dist)                         # raised while tracing: autograph wraps it in a StagingError
+
+
+def test_a_bare_layer_run_on_a_batch_taken_inside_the_tf_function_computes_as_one_device():
+    """custom_training_loop_models_test's single-layer and tf.Module runs: no Model, the layer
+    built inside the step. Before: RuntimeError ('is_dtensor must be called eagerly'), the batch
+    read in the graph being no DTensor."""
+    x, y = _data(GLOBAL_BATCH * 2)
+    targets = np.stack([y, y, y, y], axis=1).astype("float32")
+
+    def gradients(strategy):
+        dist = strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, targets)).batch(GLOBAL_BATCH, drop_remainder=True))
+        with strategy.scope():
+            layer = tf_keras.layers.Dense(4, kernel_initializer="ones")
+
+        @tf.function
+        def step(iterator):
+            def fn(features, labels):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(tf_keras.losses.mean_squared_error(labels, layer(features)))
+                return tape.gradient(loss, layer.variables)
+            return strategy.run(fn, args=next(iterator))
+        iterator = iter(dist)
+        return [[np.asarray(strategy.experimental_local_results(g)[0]) for g in step(iterator)] for _ in range(2)]
+
+    for got, want in zip(gradients(TofuStrategy(8)), gradients(tf.distribute.get_strategy())):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tf_keras.metrics.AUC(num_thresholds=3),
+    lambda: tf_keras.metrics.Precision(),
+    lambda: tf_keras.metrics.Recall(),
+    lambda: tf_keras.metrics.PrecisionAtRecall(0.5, num_thresholds=10),
+], ids=["auc", "precision", "recall", "precision_at_recall"])
+def test_a_metric_run_eagerly_on_python_lists_gives_one_devices_result(make):
+    """keras_metrics_test's steps: strategy.run(metric, args=(labels, predictions)) eagerly, the
+    two as Python lists. Before: the lists were laid out number by number (Pack refused int64
+    beside double), and Precision's thresholds, a host tensor, met the batch on the mesh in an
+    eager op (Tile refused a regular tensor)."""
+    labels, predictions = [0, 0, 1, 1, 0, 1], [0, 0.5, 0.3, 0.9, 0.6, 0.8]
+    want = make()
+    want.update_state(labels, predictions)
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        metric = make()
+    update = strategy.run(metric, args=(labels, predictions))
+    np.testing.assert_allclose(update.numpy(), want.result().numpy(), rtol=1e-6)   # run's result reads on the host
+    np.testing.assert_allclose(float(metric.result()), float(want.result()), rtol=1e-6)
+    strategy.run(metric.update_state, args=(labels, predictions))               # a method, traced once more
+    want.update_state(labels, predictions)
+    np.testing.assert_allclose(float(metric.result()), float(want.result()), rtol=1e-6)

@@ -38,6 +38,7 @@ from tofu_tf import ir
 from tofu_tf.tf import keras_adapter, update_stamps
 
 _CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+_SHAPE_KEEPING = frozenset({"Identity", "StopGradient", "Snapshot"})
 _LOOP_OPS = frozenset({"While", "StatelessWhile"})
 _CONST_MAX_ELEMENTS = 64
 # Outputs that are backend scratch space, not values of the model: their size
@@ -500,7 +501,9 @@ class _Translator:
     def _inline_call(self, op, *, prefix: str, graph) -> None:
         """Splice a called function's ops in place of the call, renaming its
         inputs to the caller's tensors and the call's outputs to its results."""
-        func_graph = _function_graph(graph, op.get_attr("f").name)
+        func_graph = _function_graph(graph, op.get_attr("f").name,
+                                     [self._call_shape(prefix, t) for t in op.inputs],
+                                     [self._read_shape(prefix, t) for t in op.inputs])
         inner_prefix = prefix + op.name + "/"
         for placeholder, outer in zip(func_graph.inputs, op.inputs):
             self._alias[inner_prefix + placeholder.name] = self._resolve(prefix, outer.name)
@@ -511,6 +514,23 @@ class _Translator:
         for index, result in enumerate(func_graph.outputs):
             self._alias[prefix + op.outputs[index].name] = self._resolve(inner_prefix, result.name)
         self._note_gradients(graph, op.outputs, [prefix + t.name for t in op.outputs])
+
+    def _call_shape(self, prefix: str, tensor) -> tf.TensorShape:
+        """The shape a call's argument has in the step: TF's, or where a specialized function
+        computed it (a loaded model's intermediates, handed to its backward function), the IR's."""
+        known = self._tensors.get(self._resolve(prefix, tensor.name))
+        if (not tensor.shape.is_fully_defined() and known is not None and known.shape is not None
+                and all(d is not None for d in known.shape)):
+            return tf.TensorShape(known.shape)
+        return tensor.shape
+
+    def _read_shape(self, prefix: str, tensor) -> tuple | None:
+        """The shape of the variable a call's resource argument is the handle of, if known."""
+        if tensor.dtype != tf.resource:
+            return None
+        known = self._tensors.get(self._resolve(prefix, tensor.name))
+        variable = self._traced.variables.get(known.variable_path) if known is not None else None
+        return None if variable is None else tuple(variable.shape)
 
     def _note_gradients(self, graph, tensors, names) -> None:
         """Which of an op's outputs (``names`` in the IR) are gradients handed to the optimizer."""
@@ -533,6 +553,15 @@ class _Translator:
         shape = tuple(tensor.shape.as_list()) if tensor.shape.rank is not None else None
         dtype = tensor.dtype.name
         variable = self._variable_of(op, inputs)
+        if (shape is None or None in shape) and variable in self._traced.variables:
+            # A read in a function imported for the call's shapes (a loaded model's): its handle
+            # argument carries no variable shape there, the variable has one.
+            shape = tuple(self._traced.variables[variable].shape)
+        elif (shape is None or None in shape) and op.type in _SHAPE_KEEPING and inputs:
+            # In such a function, the result of a call it makes has no shape to TF; the IR has it.
+            source = self._tensors.get(inputs[0])
+            if source is not None and source.shape is not None and None not in source.shape:
+                shape = source.shape
         role = self._role(tensor, name, op, shape, dtype, variable)
         return ir.Tensor(
             name=name, shape=shape if shape is not None else (None,), dtype=dtype, role=role,
@@ -570,18 +599,59 @@ class _Translator:
 _VARIABLE_ROLES = frozenset({ir.Role.WEIGHT, ir.Role.OPTIMIZER_SLOT, ir.Role.GRADIENT, ir.Role.RESOURCE, ir.Role.SCALAR})
 
 
-def _function_graph(graph, function_name: str):
-    """The FuncGraph of a function called from ``graph`` (searching enclosing graphs)."""
+def _function_graph(graph, function_name: str, input_shapes=None, read_shapes=None):
+    """The FuncGraph of a function called from ``graph`` (searching enclosing graphs).
+
+    A function traced for other shapes than the call passes (a model loaded from a SavedModel
+    calls functions traced for any batch size: ``(None, 3)``) is imported again from its
+    definition for the call's ``input_shapes``, so that TensorFlow's shape inference gives its
+    ops the static shapes the step runs them with."""
     current = graph
     while current is not None:
         function = current._get_function(function_name)  # pylint: disable=protected-access
         if function is not None:
             inner = getattr(function, "graph", None)
-            if inner is not None:
+            if inner is not None and not _less_static(inner.inputs, input_shapes):
                 return inner
-            return function_def_to_graph.function_def_to_graph(function.cached_definition)
+            definition = function.cached_definition
+            if input_shapes is not None and len(input_shapes) != len(definition.signature.input_arg):
+                input_shapes = None
+            if input_shapes is not None:          # the arguments' recorded shapes would override the call's
+                definition = _for_call_shapes(definition, read_shapes or [None] * len(input_shapes))
+            specialized = function_def_to_graph.function_def_to_graph(definition, input_shapes=input_shapes)
+            specialized.outer_graph = current           # its own calls are found where the original's are
+            return specialized
         current = getattr(current, "outer_graph", None)
     raise KeyError(f"function {function_name!r} called in the step is not in its graph library")
+
+
+def _for_call_shapes(definition, read_shapes):
+    """A copy of a FunctionDef for import at a call's shapes: without its arguments' recorded
+    ``_output_shapes`` (they would override the call's), and with the shape of the variable
+    each read of a handle argument returns (``read_shapes``, by argument), which the import's
+    shape inference cannot see through a bare handle (the reads, and all that follows,
+    would be of unknown shape)."""
+    copy = type(definition)()
+    copy.CopyFrom(definition)
+    for index in copy.arg_attr:
+        attrs = copy.arg_attr[index].attr
+        if "_output_shapes" in attrs:
+            del attrs["_output_shapes"]
+    reads = {arg.name: shape for arg, shape in zip(copy.signature.input_arg, read_shapes) if shape is not None}
+    for node in copy.node_def:
+        if node.op == "ReadVariableOp" and node.input and node.input[0].split(":")[0] in reads:
+            shapes = node.attr["_output_shapes"].list.shape
+            del shapes[:]
+            shapes.add().CopyFrom(tf.TensorShape(reads[node.input[0].split(":")[0]]).as_proto())
+    return copy
+
+
+def _less_static(placeholders, input_shapes) -> bool:
+    """Whether a function's inputs leave a dimension open that the call fixes."""
+    if input_shapes is None or len(placeholders) != len(input_shapes):
+        return False
+    return any(not inner.shape.is_fully_defined() and outer.is_fully_defined()
+               for inner, outer in zip(placeholders, input_shapes))
 
 
 # Ops whose integer outputs list dimensions: their length depends only on

@@ -310,11 +310,24 @@ def get_loss(framework: str, loss) -> Callable:
             f"tofu_tf plans a training step with one loss, and this model was compiled with one loss "
             f"per output ({loss!r}). Compile it with a single loss (Keras applies it to every output "
             "and sums), or write one loss function that combines the outputs' losses.")
-    loss = keras_module(framework).losses.get(loss)
+    loss = _as_loss_object(framework, keras_module(framework).losses.get(loss))
     if hasattr(loss, "_allow_sum_over_batch_size"):
         loss = copy.copy(loss)
         loss._allow_sum_over_batch_size = True  # pylint: disable=protected-access
     return loss
+
+
+def _as_loss_object(framework: str, loss):
+    """A tf-keras loss function (``"binary_crossentropy"``) wrapped as ``compile`` wraps it, in
+    a ``LossFunctionWrapper``: the wrapper squeezes or expands the labels to the predictions'
+    rank (labels ``(b,)`` for outputs ``(b, 1)``), which the bare function does not (a shape
+    error while the step was captured). Keras 3 exports no such wrapper; its losses are kept."""
+    if framework != "tf_keras" or not callable(loss):
+        return loss
+    from tf_keras.src import losses as tf_keras_losses
+    if isinstance(loss, tf_keras_losses.Loss):
+        return loss
+    return tf_keras_losses.LossFunctionWrapper(loss, name=getattr(loss, "__name__", "loss"))
 
 
 def fresh_optimizer(framework: str, optimizer):

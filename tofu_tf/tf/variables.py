@@ -31,6 +31,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.dtensor.python import d_variable
 from tensorflow.experimental import dtensor
+from tensorflow.python.eager import record
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import constants as trackable_constants
 
@@ -69,8 +70,20 @@ class TofuVariable(d_variable.DVariable):
         if not tf.executing_eagerly():
             value = self._written_values().get(tf.compat.v1.get_default_graph())
             if value is not None:
-                return tf.identity(value)
+                return self._forwarded_read(value)
         return super()._read_variable_op(no_copy=no_copy)
+
+    def _forwarded_read(self, value):
+        """The last written value as a read of this variable, to a gradient tape too: a second
+        step traced in the same function (a loop over batches inside a tf.function) reads
+        forwarded values, and a tape asked for the gradient of this variable found no read of
+        it (every gradient None). It is recorded as TF records a ReadVariableOp: a leaf whose
+        gradient is the variable's; the write's own inputs get none through it."""
+        resource_variable_ops.variable_accessed(self)
+        result = tf.identity(tf.stop_gradient(value))
+        record.record_operation("ReadVariableOp", [result], [self.handle],
+                                backward_function=lambda x: [x], forward_function=lambda x: [x])
+        return result
 
     def _as_read(self, value):
         """``value`` (a read of this variable) in the layout it is computed with, where that

@@ -1,0 +1,262 @@
+"""Batches taken inside a tf.function: a custom loop's ``next(iterator)`` or ``for batch in dist``
+written in the function it calls.
+
+tf-keras's own custom loops take their batches inside the ``tf.function`` they call:
+``train_step(iterator)`` calling ``next(iterator)``, or an epoch function running
+``for x in dist``. Under MirroredStrategy the iterator is a resource the graph reads, and a
+dataset batched without ``drop_remainder`` gives batches of unknown size (``None``) there.
+A TofuStrategy step is planned and compiled for static shapes, and DTensor lays an input out
+when it is passed to the function, so a batch read in the graph would have neither.
+
+Here a batch taken while the function is traced becomes an input of the function instead: the
+trace reads that batch on the host, ahead, for its static shape, and the function gets a
+placeholder of that shape whose value at each call is the batch then due, laid out on the mesh
+by the strategy's ``BatchPlacer`` (split over the batch axis where it divides the batch, else
+replicated), through ``FuncGraph.capture_call_time_value``. Every batch so computes what it
+computes on one device, a partial last batch included, and a batch whose shape differs from
+the one traced is refused by name, never computed on a wrong shape:
+
+- an iterator made outside the function and passed to it (``next(it)`` inside): its trace type
+  (``__tf_tracing_type__``) holds the shape of the batch it will give next, read ahead, so a
+  batch of a new shape (the partial last one) traces the function again, as
+  ``step_functions`` does for Keras' loops;
+- an iterator made inside the function (``iter(dist)``, or ``for x in dist``): each call reads
+  the dataset from its start, as MirroredStrategy's does, and its batches are the ones the trace
+  read. A Python loop over it is unrolled in the trace, one copy of the body per batch, up to
+  ``MAX_UNROLLED_BATCHES`` (beyond that: iterate outside the function); a call whose data gives
+  fewer or more batches than the trace saw is refused.
+
+Where a trace ends a loop at the end of the data, ``next`` raises ``StopIteration`` (what the
+eager iterator raises), at trace time; MirroredStrategy raises ``OutOfRangeError`` when the
+function runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import weakref
+
+import tensorflow as tf
+from absl import logging
+
+from tofu_tf.errors import TofuError
+
+# A Python loop over a dataset inside a tf.function is unrolled at trace time, one copy of its
+# body per batch: more batches than this are refused (iterate outside the function instead).
+MAX_UNROLLED_BATCHES = 256
+
+
+class TracedBatchError(TofuError, ValueError):
+    """A batch taken inside a tf.function cannot be given to the program traced for it."""
+
+
+def in_trace() -> bool:
+    """Whether a batch asked for now is taken by a ``tf.function`` being traced."""
+    return not tf.executing_eagerly()
+
+
+def signature(batch) -> tuple:
+    """A batch's structure and its leaves' shapes and dtypes (what a traced program fixes)."""
+    def leaf(value):
+        if isinstance(value, (tf.RaggedTensor, tf.SparseTensor)):
+            raise TracedBatchError(
+                f"TofuStrategy lays out dense batches only, and a batch holds a {type(value).__name__}: "
+                "pad it to a dense tensor in the input pipeline (e.g. .padded_batch or .to_tensor()).")
+        if not tf.is_tensor(value):
+            return ("python", repr(value))
+        return (tuple(value.shape.as_list()), value.dtype.name)
+    return (str(tf.nest.map_structure(lambda _: 0, batch)), tuple(leaf(v) for v in tf.nest.flatten(batch)))
+
+
+def _spec(batch):
+    return tf.nest.map_structure(lambda v: tf.TensorSpec(v.shape, v.dtype) if tf.is_tensor(v) else v, batch)
+
+
+def _read(iterator):
+    """The next host batch of an eager ``tf.data`` iterator, read eagerly; None at the end."""
+    with tf.init_scope():
+        try:
+            return next(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            return None
+
+
+def _outermost_function_graph():
+    """The graph of the outermost tf.function being traced (a nested function's graph sits in it)."""
+    graph = tf.compat.v1.get_default_graph()
+    while hasattr(getattr(graph, "outer_graph", None), "capture_call_time_value"):   # a FuncGraph
+        graph = graph.outer_graph
+    return graph
+
+
+def _input_at_call(graph, batch, take):
+    """Placeholders in ``graph`` for ``batch``'s tensors, given ``take()``'s value at each call."""
+    spec = _spec(batch)
+    tensors = [i for i, v in enumerate(tf.nest.flatten(spec)) if isinstance(v, tf.TensorSpec)]
+    leaves = list(tf.nest.flatten(spec))
+
+    def tensor_leaves():
+        flat = tf.nest.flatten(take())
+        return [flat[i] for i in tensors]
+    placeholders = graph.capture_call_time_value(tensor_leaves, [leaves[i] for i in tensors])
+    for i, placeholder in zip(tensors, placeholders):
+        leaves[i] = placeholder
+    return tf.nest.pack_sequence_as(spec, leaves)
+
+
+def _check(batch, expected: tuple, where: str):
+    if batch is None:
+        raise TracedBatchError(
+            f"the data ended before the batch {where} was due: TofuStrategy traced the function on a dataset "
+            "that gave more batches than this call's. Keep the number of batches fixed, or iterate the "
+            "distributed dataset outside the tf.function (for batch in dist: step(batch)).")
+    got = signature(batch)
+    if got != expected:
+        raise TracedBatchError(
+            f"the batch {where} has shapes {got[1]} where the tf.function was traced for {expected[1]}: "
+            "TofuStrategy compiles a function for the batch shapes its trace read. Take batches of one shape "
+            "inside the function (drop_remainder=True), pass the iterator itself to the function (it traces "
+            "again for a new shape), or iterate outside the tf.function (for batch in dist: step(batch)).")
+
+
+class ReadAhead:
+    """The batches an eager iterator's traces read ahead, and what the calls take in order.
+
+    ``next_in_trace`` gives the trace placeholders for the batch due at the matching call;
+    ``next_eager`` and the calls take batches from the front. ``place`` lays a host batch out
+    (the strategy's placer, once a plan exists)."""
+
+    def __init__(self, iterator, place):
+        self._iterator = iterator
+        self._place = place
+        self._ahead: collections.deque = collections.deque()
+        self._reserved = weakref.WeakKeyDictionary()      # outermost graph being traced: batches it took
+
+    def peek_signature(self):
+        """The signature of the batch due next (None at the end of the data): it keys the traces
+        of a function the iterator is passed to."""
+        if not self._ahead:
+            batch = _read(self._iterator)
+            if batch is None:
+                return None
+            self._ahead.append(batch)
+        return signature(self._ahead[0])
+
+    def next_eager(self):
+        batch = self._ahead.popleft() if self._ahead else _read(self._iterator)
+        if batch is None:
+            raise StopIteration
+        return batch
+
+    def next_in_trace(self):
+        graph = _outermost_function_graph()
+        index = self._reserved.get(graph, 0)
+        if index >= MAX_UNROLLED_BATCHES:
+            raise TracedBatchError(
+                f"a tf.function took more than {MAX_UNROLLED_BATCHES} batches of a TofuStrategy iterator in "
+                "one trace: TofuStrategy unrolls such a loop, one copy per batch. Iterate outside the "
+                "tf.function (for batch in dist: step(batch)).")
+        while len(self._ahead) <= index:
+            batch = _read(self._iterator)
+            if batch is None:
+                raise StopIteration
+            self._ahead.append(batch)
+        self._reserved[graph] = index + 1
+        expected = signature(self._ahead[index])
+        return _input_at_call(tf.compat.v1.get_default_graph(), self._ahead[index],
+                              functools.partial(self._take, expected, index))
+
+    def _take(self, expected, index):
+        batch = self._ahead.popleft() if self._ahead else _read(self._iterator)
+        _check(batch, expected, f"taken {index + 1}th in the tf.function")
+        return self._place(batch)
+
+
+class IteratorTraceType(tf.types.experimental.TraceType):
+    """An iterator passed to a tf.function, with the signature of the batch it gives next: a
+    batch of another shape (a partial last batch) traces the function again."""
+
+    def __init__(self, iterator, next_signature):
+        self._ref = weakref.ref(iterator)
+        self._next = next_signature
+
+    def is_subtype_of(self, other) -> bool:
+        return self == other
+
+    def most_specific_common_supertype(self, others):
+        return self if all(self == other for other in others) else None
+
+    def placeholder_value(self, placeholder_context):
+        del placeholder_context
+        return self._ref()
+
+    def cast(self, value, cast_context):
+        del cast_context
+        if value is not self._ref():
+            raise ValueError(f"cannot cast {value!r} to the trace type of another iterator")
+        return value
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, IteratorTraceType) and self._ref() is not None
+                and self._ref() is other._ref() and self._next == other._next)
+
+    def __hash__(self) -> int:
+        return hash((self._ref, self._next))
+
+    def __repr__(self):
+        return f"IteratorTraceType(next batch {self._next})"
+
+
+class EpochInTrace:
+    """An iterator over a distributed dataset made inside a tf.function (``iter(dist)``,
+    ``for x in dist``): each call of the function reads the dataset from its start.
+
+    The trace reads the dataset on the host with an iterator of its own, for the shapes. Each
+    call's first batch starts a new iterator; the batch that was the last at trace time checks
+    that the call's data ended too, so an unrolled loop never skips batches silently."""
+
+    def __init__(self, dataset, place):
+        self._dataset = dataset
+        self._place = place
+        with tf.init_scope():
+            self._trace_iterator = iter(dataset)
+        self._lookahead = _read(self._trace_iterator)
+        self._taken = 0
+        self._call_iterator = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = self._lookahead
+        if batch is None:
+            raise StopIteration
+        if self._taken >= MAX_UNROLLED_BATCHES:
+            raise TracedBatchError(
+                f"a tf.function iterates more than {MAX_UNROLLED_BATCHES} batches of a TofuStrategy dataset: "
+                "TofuStrategy unrolls a loop over a dataset inside a tf.function, one copy per batch. Iterate "
+                "outside the tf.function (for batch in dist: step(batch)).")
+        self._lookahead = _read(self._trace_iterator)
+        index, self._taken = self._taken, self._taken + 1
+        if index == 0:
+            logging.info("TofuStrategy: a tf.function iterates a distributed dataset: each batch it takes is an "
+                         "input of the function, laid out on the mesh at each call (a loop is unrolled per batch)")
+        return _input_at_call(tf.compat.v1.get_default_graph(), batch, functools.partial(
+            self._take, signature(batch), index, self._lookahead is None))
+
+    def get_next(self):
+        return next(self)
+
+    def _take(self, expected, index, last):
+        if index == 0:
+            with tf.init_scope():
+                self._call_iterator = iter(self._dataset)
+        batch = _read(self._call_iterator)
+        _check(batch, expected, f"{index + 1} of the dataset")
+        if last and _read(self._call_iterator) is not None:
+            raise TracedBatchError(
+                f"the dataset gave more than the {index + 1} batches the tf.function was traced on: the "
+                "function's loop over it would skip the rest. Keep the number of batches fixed, or iterate "
+                "the distributed dataset outside the tf.function (for batch in dist: step(batch)).")
+        return self._place(batch)
