@@ -223,3 +223,37 @@ def test_a_pipelined_strategy_made_first_switches_off_all_reduce_combining():
 def test_combining_fixed_on_by_an_earlier_program_is_explained():
     output = _run_fresh(compile_first=True)
     assert "REFUSED:" in output and "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION=0" in output, output
+
+
+@pytest.mark.slow
+def test_batch_normalization_sees_each_micro_batch_alone():
+    """A pipeline normalizes each micro-batch with its own statistics (as GPipe and PipeDream do):
+    the step equals one device accumulating gradients over the same micro-batches, moving
+    statistics updated micro-batch by micro-batch."""
+    def build():
+        inputs = tf_keras.Input((16,))
+        x = tf_keras.layers.Dense(32, name="dense_in")(inputs)
+        x = tf_keras.layers.BatchNormalization(name="norm")(x)
+        x = tf_keras.layers.Dense(32, activation="relu", name="dense_mid")(x)
+        return tf_keras.Model(inputs, tf_keras.layers.Dense(8, name="head")(x))
+    loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    tf_keras.utils.set_random_seed(5)
+    reference = build()
+    optimizer = tf_keras.optimizers.SGD(0.1)
+    strategy = TofuStrategy(8, pipeline=2, num_microbatches=4, schedule="gpipe")
+    with strategy.scope():
+        model = build()
+        model.compile(optimizer=tf_keras.optimizers.SGD(0.1), loss=loss)
+    model.set_weights(reference.get_weights())
+    x, y = data("mlp")
+    x, y = x[:BATCH], y[:BATCH]
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    totals = None
+    for xs, ys in zip(np.split(x, 4), np.split(y, 4)):
+        with tf.GradientTape() as tape:
+            part = loss(ys, reference(xs, training=True)) / 4
+        grads = tape.gradient(part, reference.trainable_variables)
+        totals = grads if totals is None else [t + g for t, g in zip(totals, grads)]
+    optimizer.apply_gradients(zip(totals, reference.trainable_variables))
+    for got, want in zip(model.get_weights(), reference.get_weights()):   # moving mean and variance included
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
