@@ -179,7 +179,7 @@ class PipelinePlan:
             if name is not None:
                 return stage.lowered.layout_for(name, variable.shape)
         for stage in self.stages:
-            name = _slot_path(path, stage.plan.variable_layouts, variable.shape)
+            name = lowering.planned_name(path, stage.plan.variable_layouts, variable.shape)
             if name is not None:
                 return stage.lowered.layout_for(name, variable.shape)
         return None
@@ -656,19 +656,6 @@ def _explained_compile_errors():
             f"its combining pass was on when this process compiled its first DTensor program. Make the pipelined "
             f"TofuStrategy before any other DTensor program runs, or set {compat_process.COMBINE_ALL_REDUCES_ENV}=0 "
             "in the environment before TensorFlow starts") from None
-
-
-def _slot_path(path: str, layouts, shape) -> str | None:
-    """The plan's name of a variable made after the plan (an optimizer slot: ``Adam/m/dense/kernel``
-    or the weight's own path), or None when the plan does not hold it."""
-    if path in layouts:
-        return path
-    parts = path.split("/")
-    for start in range(1, len(parts)):
-        candidate = "/".join(parts[start:])
-        if candidate in layouts and len(layouts[candidate]) == len(shape):
-            return candidate
-    return None
 
 
 def _keras_of(model):

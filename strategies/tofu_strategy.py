@@ -955,15 +955,7 @@ def _scoped_path(name) -> str:
 def _plan_path(path: str, plan, shape) -> str:
     """The plan's name for a variable: its own path, or for an optimizer slot
     (``Adam/m/dense/kernel``) the weight it tracks when the slot is unplanned."""
-    layouts = plan.variable_layouts
-    if path in layouts:
-        return path
-    parts = path.split("/")
-    for start in range(1, len(parts)):
-        candidate = "/".join(parts[start:])
-        if candidate in layouts and len(layouts[candidate]) == len(shape):
-            return candidate
-    return path
+    return lowering.planned_name(path, plan.variable_layouts, shape) or path
 
 
 def _initial_shape(initial_value, shape):

@@ -53,6 +53,20 @@ class Lowered:
         return dtensor.Layout.batch_sharded(self.mesh, self.batch_axis, rank=rank)
 
 
+def planned_name(path: str, layouts: Mapping[str, tuple], shape) -> str | None:
+    """The plan's name for a variable made at ``path``: the path itself, or for an optimizer slot
+    (``Adam/m/dense/kernel``) the suffix naming a planned variable of the same rank; None when
+    the plan holds neither."""
+    if path in layouts:
+        return path
+    parts = path.split("/")
+    for start in range(1, len(parts)):
+        candidate = "/".join(parts[start:])
+        if candidate in layouts and len(layouts[candidate]) == len(shape):
+            return candidate
+    return None
+
+
 def make_mesh(mesh_shape: Mapping[str, int], devices: DeviceSet) -> dtensor.Mesh:
     sizes = list(mesh_shape.values())
     total = 1
