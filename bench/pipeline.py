@@ -18,10 +18,14 @@ Prints, in order:
 4. the memory regression (``tofu_tf.pipeline.regression``): coefficients,
    in-sample and leave-one-out error on its calibration samples (overall and
    per model), and its error on the stages of 3 (models it was not fitted on);
-5. ``recommend_hybrid`` for the GPT on 8 devices, without and with a budget.
+5. ``recommend_hybrid`` for the GPT on 8 devices, without and with a budget;
+6. the pipelines run for real (``bench/pipeline_runs.py``, in a subprocess: it needs the BFC
+   allocator and its own device count before TensorFlow starts): each running stage's measured
+   peak against mCAP's predictor, the regression and the analytic model, for the optimal and the
+   parameter-balanced split of a GPT and a CNN with a large dense head.
 
 ``--calibrate`` re-measures the regression's samples and writes them to
-``tofu_tf/pipeline/data/cpu_bfc_samples.json``; ``--quick`` skips 3 and 4.
+``tofu_tf/pipeline/data/cpu_bfc_samples.json``; ``--quick`` skips 3, 4 and 6.
 Run from the repository root: ``python bench/pipeline.py``.
 """
 
@@ -404,6 +408,11 @@ def main(argv) -> None:
     print()
     print("5. recommend_hybrid, GPT-16 d512, 8 devices, global batch 64:")
     print("\n".join(hybrid_rows()))
+    if not FLAGS.quick:
+        print()
+        print("6. Pipelines run for real, measured stage peaks against the predictions:", flush=True)
+        import subprocess
+        subprocess.run([sys.executable, str(Path(__file__).with_name("pipeline_runs.py"))], check=True)
     print(f"\nbench wall time {time.perf_counter() - started:.1f} s")
 
 

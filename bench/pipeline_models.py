@@ -11,8 +11,8 @@ def gpt_model():
 def cnn_model():
     """A VGG-style CNN: convolutions with large activations, then a large dense head."""
     import tf_keras as keras
-    layers = [keras.Input((32, 32, 3))]
-    for group, width in enumerate((16, 32, 64)):
+    layers = [keras.Input((64, 64, 3))]
+    for group, width in enumerate((32, 64, 128, 128)):
         layers += [keras.layers.Conv2D(width, 3, padding="same", activation="relu", name=f"conv{group}_{i}")
                    for i in range(2)]
         layers.append(keras.layers.MaxPooling2D(2, name=f"pool{group}"))

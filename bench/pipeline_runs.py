@@ -51,7 +51,7 @@ from bench.pipeline_models import cnn_model, gpt_model  # noqa: E402
 
 MODELS = {
     "gpt": ("GPT-6 d128 seq64 vocab8192", gpt_model, 2),         # (label, builder, micro-batch)
-    "cnn": ("VGG-style CNN 32px head1024", cnn_model, 4),
+    "cnn": ("VGG-style CNN 64px head1024", cnn_model, 8),
 }
 
 
@@ -66,7 +66,7 @@ def batch_for(kind: str, batch: int):
     if kind == "gpt":
         tokens = rng.integers(0, 8192, size=(batch, 64)).astype("int32")
         return tokens, np.roll(tokens, -1, axis=1)
-    return rng.normal(size=(batch, 32, 32, 3)).astype("float32"), rng.integers(0, 100, size=(batch,)).astype("int32")
+    return rng.normal(size=(batch, 64, 64, 3)).astype("float32"), rng.integers(0, 100, size=(batch,)).astype("int32")
 
 
 class StageMemory:

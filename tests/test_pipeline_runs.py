@@ -257,3 +257,15 @@ def test_batch_normalization_sees_each_micro_batch_alone():
     optimizer.apply_gradients(zip(totals, reference.trainable_variables))
     for got, want in zip(model.get_weights(), reference.get_weights()):   # moving mean and variance included
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_auto_takes_the_recommended_split_and_trains_as_one_device():
+    strategy = TofuStrategy(8, pipeline="auto")
+    model, reference, _, _ = train_both("gpt", strategy)
+    plan = strategy.plan
+    best = plan.recommendation
+    assert best is not None and best.pp * best.tp * best.dp == 8
+    assert plan.num_stages == best.pp and "recommend_hybrid's best split" in plan.summary()
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
