@@ -56,6 +56,7 @@ from tofu_tf.strategies import batches as batches_lib
 from tofu_tf.strategies import keras_hooks
 from tofu_tf.strategies import layout_maps
 from tofu_tf.strategies import metric_runs
+from tofu_tf.strategies import pipeline_runner
 from tofu_tf.strategies import pipelined
 from tofu_tf.strategies import step_functions
 from tofu_tf.tf import devices as devices_lib
@@ -151,7 +152,7 @@ class TofuStrategy(distribute_lib.Strategy):
         return self.extended._plan
 
     @property
-    def pipeline(self) -> "pipelined.PipelineRunner | None":
+    def pipeline(self) -> "pipeline_runner.PipelineRunner | None":
         """The runner of a pipelined run once planned (its ``plan`` and the micro-batches each
         stage held at once in the last step, ``inflight_peaks``); None without ``pipeline=``."""
         return self.extended._pipeline
@@ -294,7 +295,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._batch_placer: batches_lib.BatchPlacer | None = None
         # A pipelined run (``pipeline=``): its runner once planned, the optimizer's own variables
         # (host variables every stage reads), and whether the optimizer is making its state now.
-        self._pipeline: pipelined.PipelineRunner | None = None
+        self._pipeline: pipeline_runner.PipelineRunner | None = None
         self._optimizer_owned: set[int] = set()
         self._making_optimizer_state = False
         # The plan's unique names (keras_adapter.UniquePaths) of the planned model's weights, by
@@ -405,7 +406,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._lowered = plan.stages[-1].lowered          # metrics and Keras' counters live on the last stage
         self._mesh = self._lowered.mesh
         self._entries_checked = True
-        self._pipeline = pipelined.PipelineRunner(model, plan, optimizer_scope=self._optimizer_making_state)
+        self._pipeline = pipeline_runner.PipelineRunner(model, plan, optimizer_scope=self._optimizer_making_state)
         pipelined.log_plan(plan)
         self._materialize_deferred()
         for stage in plan.stages:
@@ -464,7 +465,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._prepared.add(model)
         self._record(*keras_hooks.prepare_for_dtensor(model))
         if self._options.pipeline is not None:
-            if pipelined.install(model, lambda: self._pipeline):
+            if pipeline_runner.install(model, lambda: self._pipeline):
                 self._record(compat.Applied(compat.change("pipeline_step_functions"), model.name,
                                             "fit/evaluate/predict run the pipeline's schedule"))
         elif step_functions.install(model, self._placer):
@@ -659,7 +660,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
     def _placer(self) -> batches_lib.BatchPlacer:
         if self._pipeline is not None:
-            return pipelined.HostPlacer()
+            return pipeline_runner.HostPlacer()
         if self._batch_placer is None or self._batch_placer.mesh is not self.mesh:
             self._batch_placer = batches_lib.BatchPlacer(self.mesh, self._lowered.batch_axis)
         return self._batch_placer

@@ -157,7 +157,7 @@ CHANGES: tuple[Change, ...] = (
         scope=Scope.MODEL, undone=_LIFETIME,
         why="a pipelined step runs stages on different meshes, micro-batch by micro-batch, which one "
             "DTensor program (one mesh) cannot; the step runs eagerly from the host, one stage's ops at a time",
-        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.strategies.pipelined"),
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.strategies.pipeline_runner"),
     Change(
         name="savedmodel_from_copy",
         replaces="the model's _trackable_children (SavedModel only), save and export",
