@@ -243,3 +243,10 @@ def test_where_no_mesh_that_follows_the_hosts_fits_every_mesh_is_searched(caplog
     assert tuple(plan.mesh_shape.values()) not in host_aligned_factorizations(16, 8)
     assert "searching the other" in caplog.text
     assert not any("searched" in note for note in plan.notes)     # every mesh was searched in the end
+
+
+def test_one_device_is_refused_naming_why():
+    """One device has nothing to split: a clear error, not an IndexError from the search."""
+    from tofu_tf.mesh import LayoutError
+    with pytest.raises(LayoutError, match="num_devices=1: .* one device has nothing to split"):
+        plan_graph(mlp_graph(), num_devices=1, strategy_provider=stub_strategies)

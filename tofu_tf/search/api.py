@@ -27,7 +27,7 @@ from tofu_tf.cost.evaluate import StepCost, StepPricer, op_work_seconds
 from tofu_tf.cost.hardware import H100_NVLINK, HardwareProfile, profile
 from tofu_tf.cost.memory import Liveness
 from tofu_tf.errors import InfeasibleBudgetError
-from tofu_tf.mesh import MeshSpec, host_aligned_factorizations, ordered_factorizations
+from tofu_tf.mesh import LayoutError, MeshSpec, host_aligned_factorizations, ordered_factorizations
 from tofu_tf.plan import CommCost, Method, Objective, Plan, format_bytes
 from tofu_tf.search import baselines, pins, tofu_dp
 from tofu_tf.search.coarsen import GraphIndex, StrategyProvider
@@ -115,7 +115,7 @@ def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | 
             runs in no layout (each is named, with a rewrite).
         tofu_tf.search.ilp.ILPError: ``method`` is "ilp" and HiGHS found no solution of an
             axis within ``time_limit_s``.
-        tofu_tf.mesh.LayoutError: ``num_devices`` is not positive, or ``mesh_shape`` is not a
+        tofu_tf.mesh.LayoutError: ``num_devices`` is not at least 2, or ``mesh_shape`` is not a
             dict or tuple of positive int sizes.
         ValueError: An unknown ``method``, ``objective``, ``hardware`` or ``target``; a
             ``mesh_shape`` of another device count, or one other than its own mesh for
@@ -131,6 +131,9 @@ def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | 
         >>> tofu_tf.plan_graph(graph, num_devices=4, method="data_parallel").mesh_shape
         {'batch': 4}
     """
+    if num_devices == 1:
+        raise LayoutError("num_devices=1: a plan partitions a step over several devices, and one device has "
+                          "nothing to split; train without a plan (or TofuStrategy), or plan for 2 or more devices")
     with _collector_paused():
         return _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_shape, objective,
                            strategy_provider, time_limit_s, max_states, target, pinned_layouts)
