@@ -147,7 +147,7 @@ def _rebuild(model):
     inputs the model was called with, so it makes its weights under its name as at its
     first call (Keras 3's ``clone_model`` builds it outside that name: other paths).
     """
-    keras = keras_adapter.keras_module(keras_adapter.framework_of(model))
+    keras = keras_adapter.keras_of(model)
     try:
         if _cloned_layer_by_layer(model):
             copy = keras.models.clone_model(model)

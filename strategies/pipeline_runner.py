@@ -39,8 +39,6 @@ class HostPlacer:
     """Batches of a pipelined run stay on the host: the runner splits them into
     micro-batches and places each on the stage that reads it."""
 
-    mesh = None
-
     @staticmethod
     def place(value):
         if value is None or isinstance(value, tf.Variable):
@@ -169,7 +167,7 @@ class PipelineRunner:
             return self._predict_step(data)
 
     def _train_step(self, data):
-        x, y, sample_weight = _keras_of(self._model).utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras_adapter.keras_of(self._model).utils.unpack_x_y_sample_weight(data)
         plan = self._plan
         count = plan.num_microbatches
         batch = _leading_dim(x)
@@ -249,7 +247,7 @@ class PipelineRunner:
         return value
 
     def _test_step(self, data):
-        x, y, sample_weight = _keras_of(self._model).utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras_adapter.keras_of(self._model).utils.unpack_x_y_sample_weight(data)
         last = self._plan.num_stages - 1
         value = self._forward(x, through_last=False)
         value = self._on_stage(0, x) if last == 0 else self._onto(last, value)
@@ -259,7 +257,7 @@ class PipelineRunner:
         return self._results()
 
     def _predict_step(self, data):
-        x, _, _ = _keras_of(self._model).utils.unpack_x_y_sample_weight(data)
+        x, _, _ = keras_adapter.keras_of(self._model).utils.unpack_x_y_sample_weight(data)
         output = tf.nest.map_structure(batches_lib.to_host, self._forward(x))
         self._count("predict")
         return output
@@ -288,10 +286,6 @@ def _explained_compile_errors():
             f"its combining pass was on when this process compiled its first DTensor program. Make the pipelined "
             f"TofuStrategy before any other DTensor program runs, or set {compat_process.COMBINE_ALL_REDUCES_ENV}=0 "
             "in the environment before TensorFlow starts") from None
-
-
-def _keras_of(model):
-    return keras_adapter.keras_module(keras_adapter.framework_of(model))
 
 
 def _leading_dim(tree) -> int:

@@ -236,7 +236,7 @@ def stage_layers(units, boundaries: tuple[int, ...]) -> list[tuple[str, ...]]:
 def cut_stage_models(model, layers_per_stage: list[tuple[str, ...]]) -> list:
     """A Keras model per stage, sharing the model's layers: from the tensor entering the
     stage (the model's inputs for the first) to the one leaving it (the outputs for the last)."""
-    keras = keras_adapter.keras_module(keras_adapter.framework_of(model))
+    keras = keras_adapter.keras_of(model)
     if not hasattr(model, "inputs") or not model.inputs or not getattr(model, "_is_graph_network", True):
         raise PipelineError(f"{model.name} has no functional graph (a subclassed model): a pipeline cuts a "
                             "Sequential or functional model between its layers; build it functionally")
@@ -383,10 +383,6 @@ def _capture_stage(stage_model, last: bool, *, micro, loss, optimizer, labels, f
         stage_labels, stage_loss = boundary_spec(stage_model, micro), output_gradient_loss
     return capture_training_step(stage_model, batch_size=micro, loss=stage_loss, optimizer=optimizer,
                                  labels=stage_labels, features=features)
-
-
-def log_plan(plan: PipelinePlan) -> None:
-    logging.info("TofuStrategy pipeline:\n%s", plan.summary())
 
 
 __all__ = ["OneDevicePlan", "PipelineError", "PipelinePlan", "PipelineRequest", "Stage", "at_batch",

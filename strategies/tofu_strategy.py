@@ -407,7 +407,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._mesh = self._lowered.mesh
         self._entries_checked = True
         self._pipeline = pipeline_runner.PipelineRunner(model, plan, optimizer_scope=self._optimizer_making_state)
-        pipelined.log_plan(plan)
+        logging.info("TofuStrategy pipeline:\n%s", plan.summary())
         self._materialize_deferred()
         for stage in plan.stages:
             self._hint_layouts(stage.model, stage.lowered)

@@ -59,6 +59,11 @@ def keras_module(framework: str):
     return keras
 
 
+def keras_of(model):
+    """The Keras package (``tf_keras`` or ``keras``) ``model`` belongs to."""
+    return keras_module(framework_of(model))
+
+
 def variable_path(variable) -> str:
     """The Keras path of a variable: ``dense_1/kernel`` (tf-keras drops ``:0``;
     Keras 3 exposes ``.path``)."""
