@@ -32,6 +32,7 @@ from tofu_tf.strategies.pipelined import PipelineError, PipelinePlan
 from tofu_tf.tf import devices as devices_lib
 from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import variables as variables_lib
+from tofu_tf.tf.compat import calls
 from tofu_tf.tf.compat import process as compat_process
 
 
@@ -83,8 +84,10 @@ class PipelineRunner:
     constants a layer makes, a causal mask, only inside a function); the tape around the
     call keeps what its backward reads until that micro-batch's backward."""
 
-    def __init__(self, model, plan: PipelinePlan, *, optimizer_scope: Callable[[], contextlib.AbstractContextManager]):
+    def __init__(self, model, plan: PipelinePlan, *, optimizer_scope: Callable[[], contextlib.AbstractContextManager],
+                 optimize_graph: bool = True):
         self._model = model
+        self._optimize_graph = optimize_graph      # grappler on the stages' programs (tofu_tf.tf.compat.calls)
         self._plan = plan
         self._keras3 = keras_adapter.framework_of(model) == "keras3"
         self._order = schedule_lib.issue_order(plan.num_stages, plan.num_microbatches, plan.schedule)
@@ -155,15 +158,15 @@ class PipelineRunner:
 
     # -- the steps
     def train_step(self, data):
-        with _explained_compile_errors():
+        with _explained_compile_errors(), calls.step_call_options(self._optimize_graph):
             return self._train_step(data)
 
     def test_step(self, data):
-        with _explained_compile_errors():
+        with _explained_compile_errors(), calls.step_call_options(self._optimize_graph):
             return self._test_step(data)
 
     def predict_step(self, data):
-        with _explained_compile_errors():
+        with _explained_compile_errors(), calls.step_call_options(self._optimize_graph):
             return self._predict_step(data)
 
     def _train_step(self, data):

@@ -28,26 +28,28 @@ from tensorflow.dtensor.python import d_variable
 from tensorflow.experimental import dtensor
 
 from tofu_tf.strategies import batches as batches_lib
+from tofu_tf.tf.compat import calls
 
 _KINDS = ("train", "test", "predict")
 
 
-def install(model, placer_of) -> bool:
+def install(model, placer_of, *, optimize_graph: bool = True) -> bool:
     """Give ``model`` TofuStrategy's train, test and predict functions (both Keras
     versions). ``placer_of()`` returns the strategy's current ``BatchPlacer`` (the plan
-    may come after this call). True when it changed the model: the change "step_functions"
-    (``tofu_tf.tf.compat.registry``)."""
+    may come after this call); ``optimize_graph``: whether grappler optimizes the step
+    programs (``tofu_tf.tf.compat.calls``). True when it changed the model: the change
+    "step_functions" (``tofu_tf.tf.compat.registry``)."""
     if getattr(model, "_tofu_step_functions", False):
         return False
     keras3 = not any(base.__module__.startswith("tf_keras") for base in type(model).__mro__)
     for kind in _KINDS:
-        setattr(model, f"make_{kind}_function", _maker(model, kind, keras3, placer_of))
+        setattr(model, f"make_{kind}_function", _maker(model, kind, keras3, placer_of, optimize_graph))
         setattr(model, f"{kind}_function", None)
     model._tofu_step_functions = True  # pylint: disable=protected-access
     return True
 
 
-def _maker(model, kind: str, keras3: bool, placer_of):
+def _maker(model, kind: str, keras3: bool, placer_of, optimize_graph: bool):
     attribute = f"{kind}_function"
 
     def make_function(force=False):
@@ -55,7 +57,7 @@ def _maker(model, kind: str, keras3: bool, placer_of):
         if current is not None and getattr(current, "_tofu", False) and not force:
             return current
         steps = SignatureSteps(model.name, kind, _step_body(model, kind, keras3), placer_of,
-                               eager=bool(getattr(model, "run_eagerly", False)))
+                               eager=bool(getattr(model, "run_eagerly", False)), optimize_graph=optimize_graph)
         if kind == "predict" and keras3:
             function = _keras3_predict_function(steps)
         else:
@@ -70,9 +72,11 @@ def _maker(model, kind: str, keras3: bool, placer_of):
 class SignatureSteps:
     """One step of one loop, as a ``tf.function`` per input signature."""
 
-    def __init__(self, model_name: str, kind: str, body, placer_of, *, eager: bool = False):
+    def __init__(self, model_name: str, kind: str, body, placer_of, *, eager: bool = False,
+                 optimize_graph: bool = True):
         self._model_name = model_name
         self._eager = eager                  # run_eagerly: op by op, as Keras would
+        self._optimize_graph = optimize_graph
         self._kind = kind
         self._body = body
         self._placer_of = placer_of
@@ -89,7 +93,7 @@ class SignatureSteps:
                              "weights keep their planned layouts)", self._model_name, self._kind,
                              _describe(data), len(self._functions) + 1)
             program = self._functions[key] = (self._body if self._eager or not tf.executing_eagerly()
-                                               else _Program(self._body, data))
+                                               else _Program(self._body, data, self._optimize_graph))
         return program(data)
 
     @property
@@ -120,9 +124,13 @@ class _Program:
     an input, so the second step, with other labels, compiled the whole step again
     (seconds). Each such input is written into a variable of its shape before the call
     and read inside the step; the write is a one-op program, and the step is compiled
-    once. The variables hold what the inputs held, laid out the same."""
+    once. The variables hold what the inputs held, laid out the same.
 
-    def __init__(self, body, data):
+    The program is called with grappler on or off as ``optimize_graph`` says
+    (``tofu_tf.tf.compat.calls``)."""
+
+    def __init__(self, body, data, optimize_graph: bool = True):
+        self._optimize_graph = optimize_graph
         leaves = tf.nest.flatten(data)
         self._structure = data
         self._holders = {i: d_variable.DVariable(leaf, trainable=False, name="tofu_step_input")
@@ -142,7 +150,8 @@ class _Program:
         leaves = tf.nest.flatten(data)
         for index, holder in self._holders.items():
             holder.assign(leaves[index])
-        return self._function([None if i in self._holders else leaf for i, leaf in enumerate(leaves)])
+        with calls.step_call_options(self._optimize_graph):
+            return self._function([None if i in self._holders else leaf for i, leaf in enumerate(leaves)])
 
 
 def _signature(data):

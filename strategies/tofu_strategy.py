@@ -64,6 +64,7 @@ from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import lowering
 from tofu_tf.tf import variables as variables_lib
 from tofu_tf.tf import compat
+from tofu_tf.tf.compat import calls as compat_calls
 from tofu_tf.tf.compat import layers as compat_layers
 from tofu_tf.tf.compat import optimizers as compat_optimizers
 from tofu_tf.tf.compat import process as compat_process
@@ -113,11 +114,16 @@ class TofuStrategy(distribute_lib.Strategy):
       num_microbatches: micro-batches per step of a pipeline (default: the plan's, else the
         smallest divisor of the batch that gives every stage one); it divides the batch.
       schedule: the pipeline's schedule, ``"1f1b"`` (default) or ``"gpipe"``.
+      graph_optimizations: whether TensorFlow's grappler optimizes the strategy's step programs.
+        None (default): not on a mesh of CPU devices, where it runs once per device on the
+        host's shared cores and was most of a first step without making steps faster; on GPUs,
+        TensorFlow's default (``tofu_tf.tf.compat.calls``).
     """
 
     def __init__(self, num_gpus: int = 8, *, memory_budget_bytes: int | None = None,
                  mesh_shape=None, hardware=None, method: str = "tofu", plan=None, plan_cache=True, layout_map=None,
-                 pipeline=None, num_microbatches: int | None = None, schedule: str = "1f1b"):
+                 pipeline=None, num_microbatches: int | None = None, schedule: str = "1f1b",
+                 graph_optimizations: bool | None = None):
         pipeline = pipelined.PipelineRequest.read(pipeline, num_microbatches=num_microbatches, schedule=schedule,
                                                   num_devices=num_gpus)
         if pipeline is not None and (plan is not None or layout_map is not None):
@@ -141,9 +147,15 @@ class TofuStrategy(distribute_lib.Strategy):
                                  "and without plan=")
             mesh_shape = dict(layout_map.mesh_shape)
         device_set = devices_lib.provide_devices(num_gpus)
+        if graph_optimizations is None:
+            graph_optimizations = compat_calls.graph_optimizations_default(device_set.device_type)
+        if not graph_optimizations:
+            logging.info("TofuStrategy: %s", compat.Applied(compat_calls.CHANGE, "step programs",
+                                                            f"grappler off ({device_set.device_type} mesh)"))
         options = _PlanOptions(memory_budget_bytes=memory_budget_bytes, mesh_shape=mesh_shape,
                                hardware=_hardware_for(hardware, device_set),
-                               method=method, plan_cache=plan_cache, layout_map=layout_map, pipeline=pipeline)
+                               method=method, plan_cache=plan_cache, layout_map=layout_map, pipeline=pipeline,
+                               graph_optimizations=bool(graph_optimizations))
         super().__init__(_TofuExtended(self, device_set, options, plan))
 
     @property
@@ -267,7 +279,7 @@ def _layout_digest(plan) -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class _PlanOptions:
-    """How the strategy plans: what the user passed to TofuStrategy."""
+    """How the strategy plans and runs: what the user passed to TofuStrategy."""
 
     memory_budget_bytes: int | None
     mesh_shape: object
@@ -276,6 +288,7 @@ class _PlanOptions:
     plan_cache: object = True     # True: the default directory; a directory; False: none
     layout_map: "layout_maps.LayoutMapSpec | None" = None
     pipeline: "pipelined.PipelineRequest | None" = None
+    graph_optimizations: bool = True   # grappler on the step programs (tofu_tf.tf.compat.calls)
 
 
 class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
@@ -406,7 +419,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._lowered = plan.stages[-1].lowered          # metrics and Keras' counters live on the last stage
         self._mesh = self._lowered.mesh
         self._entries_checked = True
-        self._pipeline = pipeline_runner.PipelineRunner(model, plan, optimizer_scope=self._optimizer_making_state)
+        self._pipeline = pipeline_runner.PipelineRunner(model, plan, optimizer_scope=self._optimizer_making_state,
+                                                        optimize_graph=self._options.graph_optimizations)
         logging.info("TofuStrategy pipeline:\n%s", plan.summary())
         self._materialize_deferred()
         for stage in plan.stages:
@@ -468,7 +482,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             if pipeline_runner.install(model, lambda: self._pipeline):
                 self._record(compat.Applied(compat.change("pipeline_step_functions"), model.name,
                                             "fit/evaluate/predict run the pipeline's schedule"))
-        elif step_functions.install(model, self._placer):
+        elif step_functions.install(model, self._placer, optimize_graph=self._options.graph_optimizations):
             self._record(compat.Applied(compat.change("step_functions"), model.name,
                                         "fit/evaluate/predict run one batch at a time, one program per "
                                         "input signature (a partial last batch included)"))

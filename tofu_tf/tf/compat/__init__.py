@@ -9,6 +9,7 @@ upgrade starts here.
 * ``registry``: the entries (``Change``) and the record of one applied to an object (``Applied``);
 * ``patching``: how a shared class or module attribute is replaced and put back;
 * ``process``: the changes to shared attributes (a class's method, a module's function);
+* ``calls``: the options the strategy's step programs are called with (grappler off on CPU meshes);
 * ``layers`` and ``optimizers``: the changes the strategy makes to its model's layers and
   optimizer, each returned as ``Applied`` records (``TofuStrategy.changes``).
 

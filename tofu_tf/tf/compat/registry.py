@@ -30,6 +30,7 @@ class Scope(enum.Enum):
     VARIABLE = "per variable"            # the variables the strategy creates
     CAPTURE = "during capture"           # while a step is traced for planning, then restored
     CREATION = "during variable creation"  # while one variable is made, on the calling thread only
+    CALL = "during a step call"          # while a step program is called, on the calling thread only
     PROCESS = "process-wide"             # every model in the process, while a TofuStrategy is alive
     READ = "read only"                   # a private attribute read, nothing changed
 
@@ -280,6 +281,16 @@ CHANGES: tuple[Change, ...] = (
         why="DTensor reorders a variable's write and a later read in one step (a slot's first update "
             "was lost); layers and checkpoints keep the Python object they hold",
         packages=("tensorflow",), site="tofu_tf.tf.variables"),
+    Change(
+        name="step_graph_optimizations_off",
+        replaces="the calling thread's FunctionCallOptions while a step program is called: grappler's "
+                 "meta-optimizer disabled in the call's config_proto (CPU meshes, or graph_optimizations=False)",
+        targets=("tensorflow.python.eager.context:Context.function_call_options",
+                 "tensorflow.python.eager.context:FunctionCallOptions"),
+        scope=Scope.CALL, undone="on return of the call, also on error; other threads and functions never see it",
+        why="TensorFlow runs grappler on each device's part of a DTensor program; on virtual CPU devices, "
+            "which share the host's cores, that was most of a first step, for no faster steady step",
+        packages=("tensorflow",), site="tofu_tf.tf.compat.calls"),
     # -- process-wide ---------------------------------------------------------------------------
     Change(
         name="dtensor_all_reduces_uncombined",

@@ -1,0 +1,55 @@
+"""The options TofuStrategy's step programs are called with: grappler off on meshes of CPU devices.
+
+TensorFlow optimizes a function with grappler when it first runs it. A DTensor program is
+expanded into one program per mesh device, and TensorFlow's multi-device function runtime
+runs grappler's whole pipeline on each device's part, in parallel. Virtual CPU devices share
+the host's cores, so on a CPU mesh of N devices that is N times one device's optimization on
+the same cores: on keras-hub's models it was most of the first step (bench/README.md, "What
+the first step compiles"). On those meshes the rewrites did not make the steady step faster
+(same table), so the strategy calls its step programs with grappler's meta-optimizer off on
+CPU meshes. GPU meshes keep TensorFlow's default: grappler's fusions and layout rewrites are
+made for GPUs, and a host with GPUs has the cores to optimize the parts in parallel (not
+measured: no GPU here). ``TofuStrategy(graph_optimizations=True | False)`` overrides.
+
+The switch is the calling thread's ``FunctionCallOptions`` (``tensorflow.python.eager.context``),
+which TensorFlow attaches to every function call it issues as the call's ``config_proto``:
+only the programs called inside ``step_call_options(False)`` see it, on that thread. The change
+"step_graph_optimizations_off" (``tofu_tf.tf.compat.registry``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.eager import context
+
+from tofu_tf.tf.compat.registry import change
+
+CHANGE = change("step_graph_optimizations_off")
+
+
+def graph_optimizations_default(device_type: str) -> bool:
+    """Whether step programs are optimized by grappler on a mesh of ``device_type`` devices
+    when the user did not say: not on CPUs (see the module's docstring)."""
+    return device_type != "CPU"
+
+
+@contextlib.contextmanager
+def step_call_options(optimize: bool) -> Iterator[None]:
+    """While active, functions this thread calls are optimized by grappler only if ``optimize``
+    (TensorFlow's configured options otherwise unchanged); the thread's options come back on exit."""
+    if optimize:
+        yield
+        return
+    eager = context.context()
+    saved = eager.function_call_options
+    config = config_pb2.ConfigProto.FromString(saved.config_proto_serialized)
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    eager.function_call_options = context.FunctionCallOptions(executor_type=saved.executor_type,
+                                                              config_proto=config)
+    try:
+        yield
+    finally:
+        eager.function_call_options = saved
