@@ -146,6 +146,9 @@ class TofuStrategy(distribute_lib.Strategy):
                 raise ValueError("layout_map= constrains the planner's search: use it with method='tofu' or 'ilp' "
                                  "and without plan=")
             mesh_shape = dict(layout_map.mesh_shape)
+        if graph_optimizations not in (None, True, False):
+            raise ValueError(f"graph_optimizations={graph_optimizations!r}: pass True (grappler optimizes the step "
+                             "programs), False (it does not) or None (the default: not on CPU meshes)")
         device_set = devices_lib.provide_devices(num_gpus)
         if graph_optimizations is None:
             graph_optimizations = compat_calls.graph_optimizations_default(device_set.device_type)
@@ -155,7 +158,7 @@ class TofuStrategy(distribute_lib.Strategy):
         options = _PlanOptions(memory_budget_bytes=memory_budget_bytes, mesh_shape=mesh_shape,
                                hardware=_hardware_for(hardware, device_set),
                                method=method, plan_cache=plan_cache, layout_map=layout_map, pipeline=pipeline,
-                               graph_optimizations=bool(graph_optimizations))
+                               graph_optimizations=graph_optimizations)
         super().__init__(_TofuExtended(self, device_set, options, plan))
 
     @property

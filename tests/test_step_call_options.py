@@ -97,3 +97,8 @@ def test_cpu_meshes_default_to_no_grappler_and_gpu_meshes_to_tensorflows():
     assert calls.graph_optimizations_default("GPU") is True
     tf.debugging.assert_equal(tf.constant(1), 1)   # TF's eager calls outside any step are untouched
     assert not _grappler_disabled()
+
+
+def test_graph_optimizations_takes_a_bool_or_none():
+    with pytest.raises(ValueError, match="graph_optimizations='auto'"):
+        TofuStrategy(8, graph_optimizations="auto")

@@ -4,12 +4,13 @@ TensorFlow optimizes a function with grappler when it first runs it. A DTensor p
 expanded into one program per mesh device, and TensorFlow's multi-device function runtime
 runs grappler's whole pipeline on each device's part, in parallel. Virtual CPU devices share
 the host's cores, so on a CPU mesh of N devices that is N times one device's optimization on
-the same cores: on keras-hub's models it was most of the first step (bench/README.md, "What
-the first step compiles"). On those meshes the rewrites did not make the steady step faster
-(same table), so the strategy calls its step programs with grappler's meta-optimizer off on
-CPU meshes. GPU meshes keep TensorFlow's default: grappler's fusions and layout rewrites are
-made for GPUs, and a host with GPUs has the cores to optimize the parts in parallel (not
-measured: no GPU here). ``TofuStrategy(graph_optimizations=True | False)`` overrides.
+the same cores: on keras-hub's models it was the largest part of the first step (bench/README.md,
+"What the first step compiles"). Without it a step there cost about the same CPU time for most
+models and up to a sixth more for some (same table); virtual CPUs are for trying a model, where
+the first step is what is waited for, so the strategy calls its step programs with grappler's
+meta-optimizer off on CPU meshes. GPU meshes keep TensorFlow's default: grappler's fusions and
+layout rewrites are made for GPUs, and a host with GPUs has the cores to optimize the parts in
+parallel (not measured: no GPU here). ``TofuStrategy(graph_optimizations=True | False)`` overrides.
 
 The switch is the calling thread's ``FunctionCallOptions`` (``tensorflow.python.eager.context``),
 which TensorFlow attaches to every function call it issues as the call's ``config_proto``:

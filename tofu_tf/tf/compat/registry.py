@@ -289,7 +289,7 @@ CHANGES: tuple[Change, ...] = (
                  "tensorflow.python.eager.context:FunctionCallOptions"),
         scope=Scope.CALL, undone="on return of the call, also on error; other threads and functions never see it",
         why="TensorFlow runs grappler on each device's part of a DTensor program; on virtual CPU devices, "
-            "which share the host's cores, that was most of a first step, for no faster steady step",
+            "which share the host's cores, that was the largest part of a first step",
         packages=("tensorflow",), site="tofu_tf.tf.compat.calls"),
     # -- process-wide ---------------------------------------------------------------------------
     Change(
