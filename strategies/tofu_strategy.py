@@ -288,6 +288,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._lowered = None
         self._deferred: list[variables_lib.DeferredVariable] = []
         self._passthrough = False
+        self._warned_loaded = False
         self._changes: list[compat.Applied] = []
         # The models prepared for DTensor, weakly: an id() would outlive its model, and a new model
         # given the same id after garbage collection would skip its preparation.
@@ -516,6 +517,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             kwargs.pop(key, None)
         if self._passthrough:
             return next_creator(**kwargs)
+        if kwargs.get("initial_value") is None:
+            return self._loaded_variable(next_creator, kwargs)
         initial_value = kwargs.pop("initial_value")
         dtype = kwargs.pop("dtype", None)
         shape = _initial_shape(initial_value, kwargs.pop("shape", None))
@@ -537,6 +540,26 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             if self._pipeline is not None:
                 return self._materialize_in_pipeline([deferred])[0]
             return variables_lib.materialize(deferred, self._layout_of(deferred))
+
+    def _loaded_variable(self, next_creator, kwargs):
+        """A variable made with no initial value: ``tf.saved_model.load`` (and tf-keras's loader of
+        revived objects) makes each variable so, under a creator of its own that leaves it
+        uninitialized, and restores the checkpoint's value into it. The functions it restores
+        capture each variable's handle as it is made. A deferred variable's handle is replaced when
+        the plan materializes it, so those functions read an uninitialized handle and find no model
+        to plan ("no Keras model reachable"). The loaded variable is therefore kept as the loader
+        makes it: one unpartitioned copy on the host, holding the saved value, as a SavedModel
+        loaded outside the scope; under ``strategy.run`` a function reading it runs once per device
+        on that device's shard of the batch (``_run_per_device``), which computes what one device
+        computes."""
+        if not self._warned_loaded:
+            self._warned_loaded = True
+            logging.warning(
+                "TofuStrategy: variables loaded from a SavedModel in strategy.scope() (tf.saved_model.load) are kept "
+                "as loaded, unpartitioned on the host: a function reading them runs once per device under "
+                "strategy.run, as MirroredStrategy runs a replica. To train a Keras model partitioned, rebuild it "
+                "in the scope and load its weights (model.load_weights(<SavedModel directory>/variables/variables)).")
+        return next_creator(**kwargs)
 
     def _default_device_scope(self):
         # No default mesh: Keras 3 computes initial values itself under the
@@ -696,7 +719,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
     def _run_per_device(self, fn, args, kwargs):
         """Run ``fn`` once per device on its shard of the inputs, as MirroredStrategy runs a
         replica (once, on the whole batch, where the batch is not split): for a function whose
-        variables are not on the mesh (a SavedModel loaded outside the strategy's scope), which
+        variables are not on the mesh (a SavedModel loaded, in or outside the strategy's scope), which
         a DTensor program cannot read. The shards' results are joined on the host: ``run``
         returns the global value. Eager only: DTensor unpacks shards eagerly."""
         if not tf.executing_eagerly():
@@ -704,8 +727,16 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 "the function passed to strategy.run reads variables that are not on TofuStrategy's mesh (made or "
                 "loaded outside strategy.scope()), inside a tf.function: load or create them inside "
                 "strategy.scope(), or call strategy.run eagerly (it then runs once per device)")
+        name = getattr(fn, "name", getattr(fn, "__name__", "the function"))
+        if _writes_variables(fn):
+            raise PlanningError(
+                f"the function passed to strategy.run ({name}) writes variables that are not on TofuStrategy's mesh "
+                "(a SavedModel loaded with tf.saved_model.load, in or outside strategy.scope()): run once per device, "
+                "each device would apply its own update to the one variable, which is not what one device computes. "
+                "Rebuild the model in strategy.scope() and load its weights (model.load_weights(<SavedModel "
+                "directory>/variables/variables)) to train it.")
         logging.info("TofuStrategy: %s reads variables that are not on the mesh; it runs once per device on "
-                     "that device's shard of the batch", getattr(fn, "name", getattr(fn, "__name__", "the function")))
+                     "that device's shard of the batch", name)
         flat = tf.nest.flatten((args, kwargs))
         layout = next((dtensor.fetch_layout(value) for value in flat if tf.is_tensor(value)
                        and dtensor.is_dtensor(value) and value.shape.rank), None)
@@ -769,7 +800,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
     def _adopt_data_parallel(self) -> None:
         """A first ``run`` whose function trains nothing a plan could split: it reaches no Keras
         model and no trainable variable was made in the scope (metrics, a reduction, a custom
-        loop's evaluation, a SavedModel loaded outside the scope). It runs as MirroredStrategy
+        loop's evaluation, a SavedModel loaded in or outside the scope). It runs as MirroredStrategy
         would: variables replicated, each batch
         split over all devices where it divides. No model can be planned by this strategy
         after that (its mesh is fixed): ``_prepare`` refuses one, naming what to do."""
@@ -902,17 +933,56 @@ def _cross_replica(strategy):
         distribute_lib._pop_per_thread_mode()  # pylint: disable=protected-access
 
 
-def _captures_off_mesh(fn) -> bool:
-    """Whether ``fn`` (a concrete function: a SavedModel's signature) captures a variable that
-    is not a DTensor, which a program on the mesh cannot read."""
-    if not hasattr(fn, "captured_inputs"):       # strategy.run's autograph wrapper holds it in its closure
-        fn = next((cell.cell_contents for cell in getattr(fn, "__closure__", None) or ()
-                   if hasattr(cell.cell_contents, "captured_inputs")), fn)
-    captured = getattr(fn, "captured_inputs", None)
-    if not captured:
-        return False
+def _concrete_functions_of(fn) -> list:
+    """The concrete functions behind ``fn`` whose captures are known before it runs: ``fn`` itself
+    (a SavedModel's signature), a function restored by ``tf.saved_model.load`` (a loaded module's
+    method; its ``concrete_functions``, the change "restored_function_read"), or a loaded object
+    called as a function (its ``__call__``). ``strategy.run``'s autograph wrapper holds ``fn`` in its
+    closure. A tf.function of the user's traces at its call, under the plan: none."""
+    candidates = [fn] + [cell.cell_contents for cell in getattr(fn, "__closure__", None) or ()]
+    for candidate in candidates:
+        if hasattr(candidate, "captured_inputs"):
+            return [candidate]
+        restored = _restored_concrete_functions(candidate)
+        if restored is None and not isinstance(candidate, type) and hasattr(type(candidate), "__call__"):
+            restored = _restored_concrete_functions(getattr(candidate, "__call__", None))
+        if restored:
+            return restored
+    return []
+
+
+def _restored_concrete_functions(fn):
+    from tensorflow.python.saved_model import function_deserialization   # the change "restored_function_read"
+    if isinstance(fn, function_deserialization.RestoredFunction):
+        return list(fn.concrete_functions)
+    return None
+
+
+def _off_mesh_resources(concrete) -> bool:
     return any(tf.is_tensor(value) and value.dtype == tf.resource and not dtensor.is_dtensor(value)
-               for value in captured)
+               for value in concrete.captured_inputs)
+
+
+def _captures_off_mesh(fn) -> bool:
+    """Whether ``fn`` (a SavedModel's signature, a loaded module or its method) captures a variable
+    that is not a DTensor, which a program on the mesh cannot read."""
+    return any(_off_mesh_resources(concrete) for concrete in _concrete_functions_of(fn))
+
+
+# Ops that write a resource variable: a function running once per device on its shard must not
+# (each device would apply its own update to the one variable).
+_WRITE_OPS = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+_WRITE_PREFIXES = ("ResourceApply", "ResourceSparseApply", "ResourceScatter")
+
+
+def _writes_variables(fn) -> bool:
+    """Whether a concrete function behind ``fn`` (or a function it calls) writes a variable."""
+    for concrete in _concrete_functions_of(fn):
+        graph_def = concrete.graph.as_graph_def()
+        nodes = list(graph_def.node) + [node for function in graph_def.library.function for node in function.node_def]
+        if any(node.op in _WRITE_OPS or node.op.startswith(_WRITE_PREFIXES) for node in nodes):
+            return True
+    return False
 
 
 def _global_value(value):
