@@ -73,6 +73,10 @@ class PlanningError(TofuError, RuntimeError):
     """The strategy could not make a plan for the model it was asked to train."""
 
 
+class UnsupportedInputError(TofuError, NotImplementedError):
+    """An input API of ``tf.distribute`` that one SPMD program over the global batch cannot offer."""
+
+
 class TofuStrategy(distribute_lib.Strategy):
     """Trains a Keras model partitioned across ``num_gpus`` devices by the Tofu planner.
 
@@ -677,6 +681,19 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             logging.info("TofuStrategy: a dataset distributed before any plan: its batches stay on the host "
                          "until the first strategy.run plans the model its function trains")
         return batches_lib.DistributedBatches(_without_autotune_thread(dataset), self._placer_if_planned)
+
+    def _make_input_fn_iterator(self, input_fn, replication_mode=None):
+        """``strategy.make_input_fn_iterator``: TensorFlow 1's per-replica input, where each replica
+        pulls its own batch from the iterator (``experimental_run``, ``call_for_each_replica`` on
+        ``get_next()``). TofuStrategy runs one program over the global batch, which DTensor splits
+        as the plan says: no replica pulls a batch of its own. Refused, naming the V2 ways to feed
+        ``run`` (TensorFlow's own error says only that the API is deprecated)."""
+        raise UnsupportedInputError(
+            "strategy.make_input_fn_iterator (TensorFlow 1's per-replica input: each replica pulls its own batch) "
+            "is not available on TofuStrategy, which runs one SPMD program over the global batch and lays it out "
+            "as the plan says. Feed strategy.run from strategy.experimental_distribute_dataset(dataset) (a dataset "
+            "of global batches) or strategy.distribute_datasets_from_function(dataset_fn), e.g. "
+            "`for batch in strategy.experimental_distribute_dataset(dataset): strategy.run(step, args=(batch,))`.")
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         return self._experimental_distribute_dataset(dataset_fn(distribute_lib.InputContext()), options)

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 import tf_keras as keras
 
-from tofu_tf import TofuStrategy
+from tofu_tf import TofuError, TofuStrategy
 from tofu_tf.strategies import keras_hooks, tofu_strategy
 
 
@@ -145,3 +145,16 @@ def test_a_loaded_function_that_writes_its_variables_is_refused_off_the_mesh(tmp
         with pytest.raises(tofu_strategy.PlanningError, match=r"writes variables that are not on TofuStrategy's mesh"
                                                                 r".*model.load_weights"):
             strategy.run(loaded.add, args=(data,))
+
+
+def test_make_input_fn_iterator_is_refused_naming_the_v2_input_apis():
+    """tf-keras's minimize_loss, metrics and mirrored_variable tests feed replicas through TF1's
+    make_input_fn_iterator. Before: TensorFlow's "deprecated, and only available in the V1 API",
+    which names no way out. TofuStrategy runs one program over the global batch: no replica pulls
+    a batch of its own; the refusal names the dataset APIs that feed run."""
+    strategy = TofuStrategy(8)
+    with pytest.raises(NotImplementedError,
+                       match=r"make_input_fn_iterator.*one SPMD program over the global batch.*"
+                             r"experimental_distribute_dataset\(dataset\).*distribute_datasets_from_function") as error:
+        strategy.make_input_fn_iterator(lambda context: tf.data.Dataset.from_tensors([[1.0]]).repeat(10))
+    assert isinstance(error.value, TofuError)
