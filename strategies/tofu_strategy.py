@@ -543,7 +543,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             deferred._tofu_path = path  # pylint: disable=protected-access
             if self._pipeline is not None:
                 return self._materialize_in_pipeline([deferred])[0]
-            return variables_lib.materialize(deferred, self._layout_of(deferred))
+            variable = variables_lib.materialize(deferred, self._layout_of(deferred))
+            if isinstance(self._plan, ModelFreePlan):
+                variable._tofu_exportable = True  # pylint: disable=protected-access
+            return variable
 
     def _loaded_variable(self, next_creator, kwargs):
         """A variable made with no initial value: ``tf.saved_model.load`` (and tf-keras's loader of
@@ -784,7 +787,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         """Plan at the first ``run``: Keras' own step function (``train_on_batch``) as the model
         is compiled; a custom loop's function as it is written (``capture_step_function``)."""
         model = keras_hooks.find_model(fn, strict=True) if model is not None else None
-        if model is None and not any(variable.trainable for variable in self._deferred):
+        if model is None and not any(variable.trainable and _is_keras_weight(variable) for variable in self._deferred):
             self._adopt_data_parallel()
             return
         if model is None:
@@ -816,17 +819,25 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
     def _adopt_data_parallel(self) -> None:
         """A first ``run`` whose function trains nothing a plan could split: it reaches no Keras
-        model and no trainable variable was made in the scope (metrics, a reduction, a custom
-        loop's evaluation, a SavedModel loaded in or outside the scope). It runs as MirroredStrategy
-        would: variables replicated, each batch
-        split over all devices where it divides. No model can be planned by this strategy
-        after that (its mesh is fixed): ``_prepare`` refuses one, naming what to do."""
+        model and no Keras layer's weight was made in the scope (metrics, a reduction, a custom
+        loop's evaluation, a SavedModel loaded in or outside the scope, a ``tf.Module``'s or a bare
+        ``tf.Variable``). It runs as MirroredStrategy would: variables replicated, each batch
+        split over all devices where it divides; one global DTensor program, so a step computes
+        what one device computes. No model can be planned by this strategy
+        after that (its mesh is fixed): ``_prepare`` refuses one, naming what to do.
+        Its variables (replicated, read by functions that carry no layouts of a plan) can be
+        saved in a SavedModel as one device's (``TofuVariable._export_to_saved_model_graph``)."""
         plan = ModelFreePlan(self._devices.count)
+        trainable = [keras_path(variable) for variable in self._deferred if variable.trainable]
         logging.warning("TofuStrategy: the function passed to strategy.run trains no Keras model (it reaches none, "
-                        "and no trainable variable was made in strategy.scope()): it runs data parallel over %d "
-                        "devices, variables replicated. Plan a model before such a run to partition it.",
-                        self._devices.count)
+                        "and no Keras layer's weight was made in strategy.scope()): it runs data parallel over %d "
+                        "devices, variables replicated%s. Plan a model before such a run to partition it.",
+                        self._devices.count,
+                        f" (trainable, not a Keras layer's: {', '.join(trainable[:5])})" if trainable else "")
+        model_free = list(self._deferred)
         self._adopt(plan)
+        for variable in model_free:
+            variable._tofu_exportable = True  # pylint: disable=protected-access
 
     def _plan_from_specs(self, model, step: keras_hooks.StepInputs) -> None:
         labels = step.labels if isinstance(step.labels, tf.TensorSpec) else None
@@ -865,6 +876,15 @@ def _created_variable(weight):
     ``.value``; tf-keras mixed precision in an ``AutoCastVariable``)."""
     variable = keras_adapter.backing_variable(weight)
     return getattr(variable, "_variable", variable)
+
+
+def _is_keras_weight(variable) -> bool:
+    """Whether a deferred variable is a Keras layer's (or optimizer's) weight: tf-keras's
+    ``add_weight`` binds its initializer to the shape (``functools.partial``), Keras 3 wraps it in a
+    closure over the Keras variable. A ``tf.Variable(value)`` of the user's (a ``tf.Module``'s, a
+    bare one) starts from a value."""
+    initial_value = variable._tofu_initial_value  # pylint: disable=protected-access
+    return isinstance(initial_value, functools.partial) or keras_adapter.keras3_shape_and_dtype(initial_value) is not None
 
 
 def _spec_of(value):

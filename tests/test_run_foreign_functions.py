@@ -158,3 +158,49 @@ def test_make_input_fn_iterator_is_refused_naming_the_v2_input_apis():
                              r"experimental_distribute_dataset\(dataset\).*distribute_datasets_from_function") as error:
         strategy.make_input_fn_iterator(lambda context: tf.data.Dataset.from_tensors([[1.0]]).repeat(10))
     assert isinstance(error.value, TofuError)
+
+
+def test_a_tf_module_made_in_the_scope_runs_data_parallel_and_saves_as_one_device(tmp_path, caplog):
+    """tf-keras's SavedModelTFModuleTest: a tf.Module (``tf.Variable(3.0)``, no Keras layer) made in
+    the scope, called through run, then saved with a signature traced on it. Before: its trainable
+    variable made the first run demand a Keras model ("no Keras model reachable"). Now a run that
+    reaches no Keras model, with no Keras layer's weight made in the scope, runs data parallel (a
+    warning names the variable); its replicated variables save as one device's variables."""
+    x = np.random.default_rng(2).normal(size=(10, 3)).astype("float32")
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        module = _Scaled()
+    with caplog.at_level("WARNING", logger="absl"), strategy.scope():
+        data = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(10))))
+        result = tf.concat(strategy.experimental_local_results(strategy.run(module, args=(data,))), 0).numpy()
+    np.testing.assert_array_equal(result, 3.0 * x)
+    assert "trains no Keras model" in caplog.text and "not a Keras layer's: Variable" in caplog.text
+    tf.saved_model.save(module, str(tmp_path), signatures=module.__call__.get_concrete_function())
+    loaded = tf.saved_model.load(str(tmp_path))
+    np.testing.assert_array_equal(loaded(tf.constant(x)).numpy(), result)
+
+
+def test_a_bare_variable_trained_in_a_custom_loop_runs_data_parallel_as_one_device():
+    """A step that trains a bare tf.Variable made in the scope (checkpointing_test's) reaches no
+    Keras model: one global data-parallel program, the update one device's."""
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(16, 4)).astype("float32"), rng.normal(size=(16,)).astype("float32")
+    start = rng.normal(size=(4,)).astype("float32")
+
+    def train(strategy):
+        with strategy.scope():
+            weights = tf.Variable(start)
+
+        @tf.function
+        def step(features, labels):
+            def replica(features, labels):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((tf.linalg.matvec(features, weights) - labels) ** 2)
+                weights.assign_sub(0.1 * tape.gradient(loss, weights))
+            strategy.run(replica, args=(features, labels))
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        for features, labels in strategy.experimental_distribute_dataset(data):
+            step(features, labels)
+            step(features, labels)
+        return weights.numpy()
+    np.testing.assert_allclose(train(TofuStrategy(8)), train(tf.distribute.get_strategy()), rtol=1e-6, atol=1e-6)
