@@ -534,6 +534,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
                 trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
             variable._tofu_path = path  # pylint: disable=protected-access
+            variable._distribute_strategy = self._container_strategy()  # pylint: disable=protected-access
             self._deferred.append(variable)
             return variable
         with tf.init_scope():
@@ -541,6 +542,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
                 trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
             deferred._tofu_path = path  # pylint: disable=protected-access
+            deferred._distribute_strategy = self._container_strategy()  # pylint: disable=protected-access
             if self._pipeline is not None:
                 return self._materialize_in_pipeline([deferred])[0]
             variable = variables_lib.materialize(deferred, self._layout_of(deferred))

@@ -539,7 +539,7 @@ def _become(variable, fresh):
     # inside the layer's name scope again and would be called "dense/dense/kernel";
     # and its checkpoint bookkeeping (``_self_*``: which restore wrote it, checked
     # after a restore made before the plan).
-    for key in ("_handle_name", "_unique_id", "_shared_name", "_tofu_path", "_tofu_read_layout"):
+    for key in ("_handle_name", "_unique_id", "_shared_name", "_tofu_path", "_tofu_read_layout", "_distribute_strategy"):
         if key in variable.__dict__:
             state[key] = variable.__dict__[key]
     state.update((key, value) for key, value in variable.__dict__.items() if key.startswith("_self_"))
