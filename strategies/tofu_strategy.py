@@ -74,6 +74,10 @@ class PlanningError(TofuError, RuntimeError):
     """The strategy could not make a plan for the model it was asked to train."""
 
 
+class UnsupportedInputError(TofuError, NotImplementedError):
+    """An input API of ``tf.distribute`` that one SPMD program over the global batch cannot offer."""
+
+
 class TofuStrategy(distribute_lib.Strategy):
     """Trains a Keras model partitioned across ``num_gpus`` devices by the Tofu planner.
 
@@ -304,6 +308,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._lowered = None
         self._deferred: list[variables_lib.DeferredVariable] = []
         self._passthrough = False
+        self._warned_loaded = False
         self._changes: list[compat.Applied] = []
         # The models prepared for DTensor, weakly: an id() would outlive its model, and a new model
         # given the same id after garbage collection would skip its preparation.
@@ -533,6 +538,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             kwargs.pop(key, None)
         if self._passthrough:
             return next_creator(**kwargs)
+        if kwargs.get("initial_value") is None:
+            return self._loaded_variable(next_creator, kwargs)
         initial_value = kwargs.pop("initial_value")
         dtype = kwargs.pop("dtype", None)
         shape = _initial_shape(initial_value, kwargs.pop("shape", None))
@@ -544,6 +551,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
                 trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
             variable._tofu_path = path  # pylint: disable=protected-access
+            variable._distribute_strategy = self._container_strategy()  # pylint: disable=protected-access
             self._deferred.append(variable)
             return variable
         with tf.init_scope():
@@ -551,9 +559,33 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
                 trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
             deferred._tofu_path = path  # pylint: disable=protected-access
+            deferred._distribute_strategy = self._container_strategy()  # pylint: disable=protected-access
             if self._pipeline is not None:
                 return self._materialize_in_pipeline([deferred])[0]
-            return variables_lib.materialize(deferred, self._layout_of(deferred))
+            variable = variables_lib.materialize(deferred, self._layout_of(deferred))
+            if isinstance(self._plan, ModelFreePlan):
+                variable._tofu_exportable = True  # pylint: disable=protected-access
+            return variable
+
+    def _loaded_variable(self, next_creator, kwargs):
+        """A variable made with no initial value: ``tf.saved_model.load`` (and tf-keras's loader of
+        revived objects) makes each variable so, under a creator of its own that leaves it
+        uninitialized, and restores the checkpoint's value into it. The functions it restores
+        capture each variable's handle as it is made. A deferred variable's handle is replaced when
+        the plan materializes it, so those functions read an uninitialized handle and find no model
+        to plan ("no Keras model reachable"). The loaded variable is therefore kept as the loader
+        makes it: one unpartitioned copy on the host, holding the saved value, as a SavedModel
+        loaded outside the scope; under ``strategy.run`` a function reading it runs once per device
+        on that device's shard of the batch (``_run_per_device``), which computes what one device
+        computes."""
+        if not self._warned_loaded:
+            self._warned_loaded = True
+            logging.warning(
+                "TofuStrategy: variables loaded from a SavedModel in strategy.scope() (tf.saved_model.load) are kept "
+                "as loaded, unpartitioned on the host: a function reading them runs once per device under "
+                "strategy.run, as MirroredStrategy runs a replica. To train a Keras model partitioned, rebuild it "
+                "in the scope and load its weights (model.load_weights(<SavedModel directory>/variables/variables)).")
+        return next_creator(**kwargs)
 
     def _default_device_scope(self):
         # No default mesh: Keras 3 computes initial values itself under the
@@ -672,6 +704,19 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                          "until the first strategy.run plans the model its function trains")
         return batches_lib.DistributedBatches(_without_autotune_thread(dataset), self._placer_if_planned)
 
+    def _make_input_fn_iterator(self, input_fn, replication_mode=None):
+        """``strategy.make_input_fn_iterator``: TensorFlow 1's per-replica input, where each replica
+        pulls its own batch from the iterator (``experimental_run``, ``call_for_each_replica`` on
+        ``get_next()``). TofuStrategy runs one program over the global batch, which DTensor splits
+        as the plan says: no replica pulls a batch of its own. Refused, naming the V2 ways to feed
+        ``run`` (TensorFlow's own error says only that the API is deprecated)."""
+        raise UnsupportedInputError(
+            "strategy.make_input_fn_iterator (TensorFlow 1's per-replica input: each replica pulls its own batch) "
+            "is not available on TofuStrategy, which runs one SPMD program over the global batch and lays it out "
+            "as the plan says. Feed strategy.run from strategy.experimental_distribute_dataset(dataset) (a dataset "
+            "of global batches) or strategy.distribute_datasets_from_function(dataset_fn), e.g. "
+            "`for batch in strategy.experimental_distribute_dataset(dataset): strategy.run(step, args=(batch,))`.")
+
     def _distribute_datasets_from_function(self, dataset_fn, options):
         return self._experimental_distribute_dataset(dataset_fn(distribute_lib.InputContext()), options)
 
@@ -713,7 +758,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
     def _run_per_device(self, fn, args, kwargs):
         """Run ``fn`` once per device on its shard of the inputs, as MirroredStrategy runs a
         replica (once, on the whole batch, where the batch is not split): for a function whose
-        variables are not on the mesh (a SavedModel loaded outside the strategy's scope), which
+        variables are not on the mesh (a SavedModel loaded, in or outside the strategy's scope), which
         a DTensor program cannot read. The shards' results are joined on the host: ``run``
         returns the global value. Eager only: DTensor unpacks shards eagerly."""
         if not tf.executing_eagerly():
@@ -721,8 +766,16 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 "the function passed to strategy.run reads variables that are not on TofuStrategy's mesh (made or "
                 "loaded outside strategy.scope()), inside a tf.function: load or create them inside "
                 "strategy.scope(), or call strategy.run eagerly (it then runs once per device)")
+        name = getattr(fn, "name", getattr(fn, "__name__", "the function"))
+        if _writes_variables(fn):
+            raise PlanningError(
+                f"the function passed to strategy.run ({name}) writes variables that are not on TofuStrategy's mesh "
+                "(a SavedModel loaded with tf.saved_model.load, in or outside strategy.scope()): run once per device, "
+                "each device would apply its own update to the one variable, which is not what one device computes. "
+                "Rebuild the model in strategy.scope() and load its weights (model.load_weights(<SavedModel "
+                "directory>/variables/variables)) to train it.")
         logging.info("TofuStrategy: %s reads variables that are not on the mesh; it runs once per device on "
-                     "that device's shard of the batch", getattr(fn, "name", getattr(fn, "__name__", "the function")))
+                     "that device's shard of the batch", name)
         flat = tf.nest.flatten((args, kwargs))
         layout = next((dtensor.fetch_layout(value) for value in flat if tf.is_tensor(value)
                        and dtensor.is_dtensor(value) and value.shape.rank), None)
@@ -753,7 +806,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         """Plan at the first ``run``: Keras' own step function (``train_on_batch``) as the model
         is compiled; a custom loop's function as it is written (``capture_step_function``)."""
         model = keras_hooks.find_model(fn, strict=True) if model is not None else None
-        if model is None and not any(variable.trainable for variable in self._deferred):
+        if model is None and not any(variable.trainable and _is_keras_weight(variable) for variable in self._deferred):
             self._adopt_data_parallel()
             return
         if model is None:
@@ -785,17 +838,25 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
     def _adopt_data_parallel(self) -> None:
         """A first ``run`` whose function trains nothing a plan could split: it reaches no Keras
-        model and no trainable variable was made in the scope (metrics, a reduction, a custom
-        loop's evaluation, a SavedModel loaded outside the scope). It runs as MirroredStrategy
-        would: variables replicated, each batch
-        split over all devices where it divides. No model can be planned by this strategy
-        after that (its mesh is fixed): ``_prepare`` refuses one, naming what to do."""
+        model and no Keras layer's weight was made in the scope (metrics, a reduction, a custom
+        loop's evaluation, a SavedModel loaded in or outside the scope, a ``tf.Module``'s or a bare
+        ``tf.Variable``). It runs as MirroredStrategy would: variables replicated, each batch
+        split over all devices where it divides; one global DTensor program, so a step computes
+        what one device computes. No model can be planned by this strategy
+        after that (its mesh is fixed): ``_prepare`` refuses one, naming what to do.
+        Its variables (replicated, read by functions that carry no layouts of a plan) can be
+        saved in a SavedModel as one device's (``TofuVariable._export_to_saved_model_graph``)."""
         plan = ModelFreePlan(self._devices.count)
+        trainable = [keras_path(variable) for variable in self._deferred if variable.trainable]
         logging.warning("TofuStrategy: the function passed to strategy.run trains no Keras model (it reaches none, "
-                        "and no trainable variable was made in strategy.scope()): it runs data parallel over %d "
-                        "devices, variables replicated. Plan a model before such a run to partition it.",
-                        self._devices.count)
+                        "and no Keras layer's weight was made in strategy.scope()): it runs data parallel over %d "
+                        "devices, variables replicated%s. Plan a model before such a run to partition it.",
+                        self._devices.count,
+                        f" (trainable, not a Keras layer's: {', '.join(trainable[:5])})" if trainable else "")
+        model_free = list(self._deferred)
         self._adopt(plan)
+        for variable in model_free:
+            variable._tofu_exportable = True  # pylint: disable=protected-access
 
     def _plan_from_specs(self, model, step: keras_hooks.StepInputs) -> None:
         labels = step.labels if isinstance(step.labels, tf.TensorSpec) else None
@@ -834,6 +895,15 @@ def _created_variable(weight):
     ``.value``; tf-keras mixed precision in an ``AutoCastVariable``)."""
     variable = keras_adapter.backing_variable(weight)
     return getattr(variable, "_variable", variable)
+
+
+def _is_keras_weight(variable) -> bool:
+    """Whether a deferred variable is a Keras layer's (or optimizer's) weight: tf-keras's
+    ``add_weight`` binds its initializer to the shape (``functools.partial``), Keras 3 wraps it in a
+    closure over the Keras variable. A ``tf.Variable(value)`` of the user's (a ``tf.Module``'s, a
+    bare one) starts from a value."""
+    initial_value = variable._tofu_initial_value  # pylint: disable=protected-access
+    return isinstance(initial_value, functools.partial) or keras_adapter.keras3_shape_and_dtype(initial_value) is not None
 
 
 def _spec_of(value):
@@ -919,17 +989,56 @@ def _cross_replica(strategy):
         distribute_lib._pop_per_thread_mode()  # pylint: disable=protected-access
 
 
-def _captures_off_mesh(fn) -> bool:
-    """Whether ``fn`` (a concrete function: a SavedModel's signature) captures a variable that
-    is not a DTensor, which a program on the mesh cannot read."""
-    if not hasattr(fn, "captured_inputs"):       # strategy.run's autograph wrapper holds it in its closure
-        fn = next((cell.cell_contents for cell in getattr(fn, "__closure__", None) or ()
-                   if hasattr(cell.cell_contents, "captured_inputs")), fn)
-    captured = getattr(fn, "captured_inputs", None)
-    if not captured:
-        return False
+def _concrete_functions_of(fn) -> list:
+    """The concrete functions behind ``fn`` whose captures are known before it runs: ``fn`` itself
+    (a SavedModel's signature), a function restored by ``tf.saved_model.load`` (a loaded module's
+    method; its ``concrete_functions``, the change "restored_function_read"), or a loaded object
+    called as a function (its ``__call__``). ``strategy.run``'s autograph wrapper holds ``fn`` in its
+    closure. A tf.function of the user's traces at its call, under the plan: none."""
+    candidates = [fn] + [cell.cell_contents for cell in getattr(fn, "__closure__", None) or ()]
+    for candidate in candidates:
+        if hasattr(candidate, "captured_inputs"):
+            return [candidate]
+        restored = _restored_concrete_functions(candidate)
+        if restored is None and not isinstance(candidate, type) and hasattr(type(candidate), "__call__"):
+            restored = _restored_concrete_functions(getattr(candidate, "__call__", None))
+        if restored:
+            return restored
+    return []
+
+
+def _restored_concrete_functions(fn):
+    from tensorflow.python.saved_model import function_deserialization   # the change "restored_function_read"
+    if isinstance(fn, function_deserialization.RestoredFunction):
+        return list(fn.concrete_functions)
+    return None
+
+
+def _off_mesh_resources(concrete) -> bool:
     return any(tf.is_tensor(value) and value.dtype == tf.resource and not dtensor.is_dtensor(value)
-               for value in captured)
+               for value in concrete.captured_inputs)
+
+
+def _captures_off_mesh(fn) -> bool:
+    """Whether ``fn`` (a SavedModel's signature, a loaded module or its method) captures a variable
+    that is not a DTensor, which a program on the mesh cannot read."""
+    return any(_off_mesh_resources(concrete) for concrete in _concrete_functions_of(fn))
+
+
+# Ops that write a resource variable: a function running once per device on its shard must not
+# (each device would apply its own update to the one variable).
+_WRITE_OPS = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+_WRITE_PREFIXES = ("ResourceApply", "ResourceSparseApply", "ResourceScatter")
+
+
+def _writes_variables(fn) -> bool:
+    """Whether a concrete function behind ``fn`` (or a function it calls) writes a variable."""
+    for concrete in _concrete_functions_of(fn):
+        graph_def = concrete.graph.as_graph_def()
+        nodes = list(graph_def.node) + [node for function in graph_def.library.function for node in function.node_def]
+        if any(node.op in _WRITE_OPS or node.op.startswith(_WRITE_PREFIXES) for node in nodes):
+            return True
+    return False
 
 
 def _global_value(value):

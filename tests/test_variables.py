@@ -274,3 +274,38 @@ def test_a_checkpoint_saved_before_the_plan_holds_every_variable(tmp_path):
     strategy.plan_model(model, batch_size=8, loss="mse", optimizer="sgd")    # the plan lays out what was saved
     for got, want in zip(model.get_weights(), restored_model.get_weights()):
         np.testing.assert_array_equal(got, want)
+
+
+def test_the_strategys_variables_name_it_and_legacy_slots_restored_outside_its_scope_are_refused(tmp_path):
+    """Each variable the strategy makes records it (``_distribute_strategy``), as MirroredStrategy's
+    do, so outside the scope the default strategy does not take it for its own: tf-keras's legacy
+    optimizer then refuses to make or restore a slot for it there, naming the scope (before: the
+    slot was made as a plain host variable beside a DTensor weight; tf-keras's
+    checkpointing_test.testCheckpointRestoreOptimizerSlots)."""
+    from tofu_tf import TofuStrategy
+    from tf_keras.src.optimizers.legacy import adam
+
+    strategy = TofuStrategy(8)
+
+    def state():
+        with strategy.scope():
+            weight = tf.Variable(tf.ones([]))
+        optimizer = adam.Adam(0.001)
+
+        @tf.function
+        def step():
+            def replica():
+                with tf.GradientTape() as tape:
+                    loss = weight + weight
+                optimizer.apply_gradients(zip(tape.gradient(loss, [weight]), [weight]))
+            strategy.run(replica)
+        return weight, optimizer, step
+
+    weight, optimizer, step = state()
+    step()
+    assert weight._distribute_strategy is strategy
+    assert optimizer.get_slot(weight, "m")._distribute_strategy is strategy
+    saved = tf.train.Checkpoint(v=weight, opt=optimizer).save(str(tmp_path / "ckpt"))
+    weight, optimizer, _ = state()
+    with pytest.raises(ValueError, match="optimizer slot variable under the scope"):
+        tf.train.Checkpoint(v=weight, opt=optimizer).restore(saved)

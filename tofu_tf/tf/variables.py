@@ -202,7 +202,11 @@ class TofuVariable(d_variable.DVariable):
         """Refuse to enter a SavedModel: a DTensor resource (and the ``Relayout`` ops of the
         functions that read it) cannot run in a one-device runtime or TF Serving. A model's
         own exports go through a one-device copy (``tofu_tf.strategies.export``); reaching here means
-        something else tracked this variable directly."""
+        something else tracked this variable directly. Except a variable of a strategy that runs no
+        plan (``_tofu_exportable``: data parallel, every variable replicated, no layer relaid): its
+        SavedModel holds a plain variable, as one device's, and the saved value is the one value."""
+        if self.__dict__.get("_tofu_exportable") and self.layout.is_fully_replicated():
+            return super()._export_to_saved_model_graph(object_map, tensor_map, options, **kwargs)
         raise DTensorExportError.for_variable(_base_name(self.name))
 
 
@@ -535,7 +539,7 @@ def _become(variable, fresh):
     # inside the layer's name scope again and would be called "dense/dense/kernel";
     # and its checkpoint bookkeeping (``_self_*``: which restore wrote it, checked
     # after a restore made before the plan).
-    for key in ("_handle_name", "_unique_id", "_shared_name", "_tofu_path", "_tofu_read_layout"):
+    for key in ("_handle_name", "_unique_id", "_shared_name", "_tofu_path", "_tofu_read_layout", "_distribute_strategy"):
         if key in variable.__dict__:
             state[key] = variable.__dict__[key]
     state.update((key, value) for key, value in variable.__dict__.items() if key.startswith("_self_"))

@@ -318,6 +318,15 @@ CHANGES: tuple[Change, ...] = (
         scope=Scope.READ, undone="nothing to undo",
         why="a deferred variable needs its shape and dtype without running the initializer (a full-size value)",
         packages=("keras",), site="tofu_tf.tf.keras_adapter"),
+    Change(
+        name="restored_function_read",
+        replaces="nothing: reads the concrete functions of a function tf.saved_model.load restored "
+                 "(RestoredFunction.concrete_functions: their captured variables and ops)",
+        targets=("tensorflow.python.saved_model.function_deserialization:RestoredFunction",),
+        scope=Scope.READ, undone="nothing to undo",
+        why="a loaded module's method reads variables off the mesh, which a DTensor program cannot read: "
+            "strategy.run runs it once per device instead, and refuses it when it writes a variable",
+        packages=("tensorflow",), site="tofu_tf.strategies.tofu_strategy"),
 )
 
 
