@@ -5,8 +5,8 @@ expanded into one program per mesh device, and TensorFlow's multi-device functio
 runs grappler's whole pipeline on each device's part, in parallel. Virtual CPU devices share
 the host's cores, so on a CPU mesh of N devices that is N times one device's optimization on
 the same cores: on keras-hub's models it was the largest part of the first step (bench/README.md,
-"What the first step compiles"). Without it a step there cost about the same CPU time for most
-models and up to a sixth more for some (same table); virtual CPUs are for trying a model, where
+"What the first step compiles"). Without it a step there took about as long, a few percent
+more on some models (same table); virtual CPUs are for trying a model, where
 the first step is what is waited for, so the strategy calls its step programs with grappler's
 meta-optimizer off on CPU meshes. GPU meshes keep TensorFlow's default: grappler's fusions and
 layout rewrites are made for GPUs, and a host with GPUs has the cores to optimize the parts in
