@@ -1031,14 +1031,21 @@ _WRITE_OPS = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
 _WRITE_PREFIXES = ("ResourceApply", "ResourceSparseApply", "ResourceScatter")
 
 
+# Whether each concrete function writes a variable, read once: ``run`` asks at every call.
+_WRITES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _writes_variables(fn) -> bool:
     """Whether a concrete function behind ``fn`` (or a function it calls) writes a variable."""
-    for concrete in _concrete_functions_of(fn):
+    return any(_concrete_writes(concrete) for concrete in _concrete_functions_of(fn))
+
+
+def _concrete_writes(concrete) -> bool:
+    if concrete not in _WRITES:
         graph_def = concrete.graph.as_graph_def()
         nodes = list(graph_def.node) + [node for function in graph_def.library.function for node in function.node_def]
-        if any(node.op in _WRITE_OPS or node.op.startswith(_WRITE_PREFIXES) for node in nodes):
-            return True
-    return False
+        _WRITES[concrete] = any(node.op in _WRITE_OPS or node.op.startswith(_WRITE_PREFIXES) for node in nodes)
+    return _WRITES[concrete]
 
 
 def _global_value(value):
