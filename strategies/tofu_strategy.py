@@ -53,6 +53,7 @@ from tofu_tf import plan_check
 from tofu_tf.cost import hardware as hardware_lib
 from tofu_tf.errors import TofuError
 from tofu_tf.strategies import batches as batches_lib
+from tofu_tf.strategies import generation
 from tofu_tf.strategies import keras_hooks
 from tofu_tf.strategies import layout_maps
 from tofu_tf.strategies import metric_runs
@@ -65,6 +66,7 @@ from tofu_tf.tf import lowering
 from tofu_tf.tf import variables as variables_lib
 from tofu_tf.tf import compat
 from tofu_tf.tf.compat import calls as compat_calls
+from tofu_tf.tf.compat import decoding as compat_decoding
 from tofu_tf.tf.compat import layers as compat_layers
 from tofu_tf.tf.compat import optimizers as compat_optimizers
 from tofu_tf.tf.compat import process as compat_process
@@ -335,6 +337,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         # tf-keras keeps a fixed `keras.Input(batch_size=...)` global when this is set.
         self._global_batch_size = True
         compat_process.hold_summary_printer(container_strategy)   # undone when no TofuStrategy is alive
+        compat_decoding.hold_generate_router(container_strategy)   # likewise
         if plan is not None:
             self._adopt(plan)
 
@@ -490,10 +493,15 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             if pipeline_runner.install(model, lambda: self._pipeline):
                 self._record(compat.Applied(compat.change("pipeline_step_functions"), model.name,
                                             "fit/evaluate/predict run the pipeline's schedule"))
-        elif step_functions.install(model, self._placer, optimize_graph=self._options.graph_optimizations):
-            self._record(compat.Applied(compat.change("step_functions"), model.name,
-                                        "fit/evaluate/predict run one batch at a time, one program per "
-                                        "input signature (a partial last batch included)"))
+        else:
+            if step_functions.install(model, self._placer, optimize_graph=self._options.graph_optimizations):
+                self._record(compat.Applied(compat.change("step_functions"), model.name,
+                                            "fit/evaluate/predict run one batch at a time, one program per "
+                                            "input signature (a partial last batch included)"))
+            if generation.install(model, self._placer, functools.partial(self._plan_from_prompts, model),
+                                  optimize_graph=self._options.graph_optimizations):
+                self._record(compat.Applied(compat.change(generation.CHANGE_NAME), model.name,
+                                            "generate() runs keras-hub's decoding program on the mesh"))
         self._hint_layouts(model)
 
     def _record(self, *changes) -> None:
@@ -547,6 +555,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         path = _scoped_path(kwargs.get("name"))
         if self._lowered is None:
             compat_process.SUMMARY_PRINTER.refresh()    # tf-keras may be imported after the strategy was made
+            compat_decoding.GENERATE_ROUTER.refresh()   # and keras-hub
             variable = variables_lib.DeferredVariable(
                 initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
                 trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
@@ -857,6 +866,25 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._adopt(plan)
         for variable in model_free:
             variable._tofu_exportable = True  # pylint: disable=protected-access
+
+    def _plan_from_prompts(self, model, prompts) -> None:
+        """Plan ``model`` from its first prompts when ``generate`` comes before any step (a
+        model loaded under the scope): its training step for a batch of their shape, as
+        ``predict`` before ``fit`` plans it."""
+        if self._lowered is None:
+            features = tf.nest.map_structure(_spec_of, prompts)
+            self.plan_for(model, batch_size=_batch_size_of(features), loss=None, optimizer=None, labels=None,
+                          features=features)
+
+    def prepare_generation(self, model) -> None:
+        """Give a keras-hub text generator made in this strategy's scope its placed decoding
+        program before any step prepared it (``tofu_tf.strategies.generation``)."""
+        if self._options.pipeline is not None:
+            raise pipelined.PipelineError(
+                f"{model.name}.generate() runs one decoding program over the whole model, and a pipelined "
+                "TofuStrategy keeps its stages on separate devices: generate under a TofuStrategy without "
+                "pipeline= (the weights load into it with model.load_weights), or on one device")
+        self._prepare(model)
 
     def _plan_from_specs(self, model, step: keras_hooks.StepInputs) -> None:
         labels = step.labels if isinstance(step.labels, tf.TensorSpec) else None

@@ -149,6 +149,18 @@ CHANGES: tuple[Change, ...] = (
             "second trace; the strategy lays each batch out as it comes and traces one program per signature",
         packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.strategies.step_functions"),
     Change(
+        name="generate_function_placed",
+        replaces="a keras-hub generating model's make_generate_function and generate_function (CausalLM, "
+                 "Seq2SeqLM): the compiled decoding program called with its inputs on the mesh, tokens "
+                 "assembled on the host; the sampler's state variables moved onto the mesh, replicated",
+        targets=("keras_hub.src.models.causal_lm:CausalLM.make_generate_function",
+                 "keras_hub.src.models.seq_2_seq_lm:Seq2SeqLM.make_generate_function",
+                 "keras.src.backend.common.variables:Variable.value"),
+        scope=Scope.MODEL, undone=_LIFETIME,
+        why="keras-hub calls its own tf.function on host tensors outside strategy.run, and DTensor refuses a "
+            "program mixing them with the model's DTensor variables ('got a regular tensor')",
+        packages=("tensorflow", "keras", "keras-hub"), site="tofu_tf.strategies.generation"),
+    Change(
         name="pipeline_step_functions",
         replaces="with TofuStrategy(pipeline=...): the model's make_train/test/predict_function and "
                  "train/test/predict_function, by functions running the pipeline's schedule",
@@ -291,6 +303,15 @@ CHANGES: tuple[Change, ...] = (
         why="TensorFlow runs grappler on each device's part of a DTensor program; on virtual CPU devices, "
             "which share the host's cores, that was the largest part of a first step",
         packages=("tensorflow",), site="tofu_tf.tf.compat.calls"),
+    Change(
+        name="slice_update_as_select",
+        replaces="Keras 3 TensorFlow backend core.slice_update (the module function), while a decoding "
+                 "program (keras-hub generate) is traced: the update padded to the input's shape and selected",
+        targets=("keras.src.backend.tensorflow.core:slice_update",),
+        scope=Scope.CALL, undone="on return of the call, also on error; other threads trace Keras' own",
+        why="slice_update lowers to XlaDynamicUpdateSlice, which DTensor cannot lay out: a key/value cache "
+            "update in keras-hub's decoding loop failed to compile",
+        packages=("keras",), site="tofu_tf.tf.compat.decoding"),
     # -- process-wide ---------------------------------------------------------------------------
     Change(
         name="dtensor_all_reduces_uncombined",
@@ -303,6 +324,16 @@ CHANGES: tuple[Change, ...] = (
             "returns without layouts, and DTensor then refuses to compile that function",
         packages=("tensorflow",), site="tofu_tf.tf.compat.process"),
     Change(
+        name="dtensor_replicated_ops",
+        replaces="the environment switches DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_<OP> for the ops of "
+                 "tofu_tf.tf.compat.decoding.REPLICATED_OPS, set to 1 when a TofuStrategy first runs a decoding "
+                 "program and the user has not set them (read by DTensor at each compile)",
+        targets=("tensorflow.dtensor.python.dtensor_device:DTensorDevice",),
+        scope=Scope.PROCESS, undone="never: the switch only lets DTensor compile a program it refused",
+        why="DTensor has no layout propagation for StatelessMultinomial (keras.random.categorical, the top-k "
+            "sampler's draw); enrolled, DTensor runs it replicated and draws one device's values",
+        packages=("tensorflow",), site="tofu_tf.tf.compat.decoding"),
+    Change(
         name="summary_before_plan",
         replaces="tf-keras layer_utils.print_dtensor_variable_summary (the module function)",
         targets=("tf_keras.src.utils.layer_utils:print_dtensor_variable_summary",),
@@ -310,6 +341,16 @@ CHANGES: tuple[Change, ...] = (
         why="tf-keras' summary() divides by the weights' per-device size, 0 while every weight waits "
             "for its layout (ZeroDivisionError); the replacement changes only a TofuStrategy's unplanned models",
         packages=("tf-keras",), site="tofu_tf.tf.compat.process"),
+    Change(
+        name="generate_before_plan",
+        replaces="keras-hub CausalLM.make_generate_function (on the class): a model made in a TofuStrategy's scope "
+                 "is handed to its strategy first, which wraps it (generate_function_placed) and plans it from "
+                 "the first prompts",
+        targets=("keras_hub.src.models.causal_lm:CausalLM.make_generate_function",),
+        scope=Scope.PROCESS, undone="when no TofuStrategy is alive any more",
+        why="a model built or loaded under the scope and asked to generate before any step decoded with "
+            "variables the plan had not made yet (a reshape of a 0-element tensor in its first layer)",
+        packages=("keras", "keras-hub"), site="tofu_tf.tf.compat.decoding"),
     Change(
         name="keras3_initializer_read",
         replaces="nothing: reads the Keras variable in the closure of Keras 3's initial-value lambda "
