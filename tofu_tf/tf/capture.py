@@ -221,7 +221,8 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
                 for var, grad in zip(trainable, grads):
                     if grad is not None:
                         gradient_box[_tensor_key(grad)] = weight_names[id(keras_adapter.tf_variable(var))]
-                keras_adapter.apply_gradients_for_capture(opt, zip(grads, trainable))
+                if trainable:       # a fully frozen model: Keras' train_step skips the update, so does the trace
+                    keras_adapter.apply_gradients_for_capture(opt, zip(grads, trainable))
             return step_loss
         return train_step
 
