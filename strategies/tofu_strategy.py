@@ -67,6 +67,7 @@ from tofu_tf.tf import variables as variables_lib
 from tofu_tf.tf import compat
 from tofu_tf.tf.compat import calls as compat_calls
 from tofu_tf.tf.compat import decoding as compat_decoding
+from tofu_tf.tf.compat import function_calls as compat_function_calls
 from tofu_tf.tf.compat import layers as compat_layers
 from tofu_tf.tf.compat import optimizers as compat_optimizers
 from tofu_tf.tf.compat import process as compat_process
@@ -358,6 +359,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._lowered = lowered
         self._mesh = self._lowered.mesh
         self._plan = plan
+        compat_function_calls.offer(self, lambda value: self._placer().place(value), batches_lib.to_host)
         summary = plan.summary() if hasattr(plan, "summary") else repr(plan)
         logging.info("TofuStrategy plan:\n%s", summary)
         self._materialize_deferred()

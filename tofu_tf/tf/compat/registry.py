@@ -352,6 +352,16 @@ CHANGES: tuple[Change, ...] = (
             "variables the plan had not made yet (a reshape of a 0-element tensor in its first layer)",
         packages=("keras", "keras-hub"), site="tofu_tf.tf.compat.decoding"),
     Change(
+        name="functions_called_on_the_mesh",
+        replaces="TensorFlow's tf.function Function.__call__ (on the class): a function DTensor refuses for a host "
+                 "tensor argument is called again with its tensor arguments laid out on a planned TofuStrategy's "
+                 "mesh, its results assembled on the host",
+        targets=("tensorflow.python.eager.polymorphic_function.polymorphic_function:Function.__call__",),
+        scope=Scope.PROCESS, undone="when no TofuStrategy is alive any more",
+        why="a tf.function of the user's or a library's (a serving function, an evaluation loop) called with host "
+            "tensors on the strategy's DTensor variables failed ('got a regular tensor ... expecting a DTensor')",
+        packages=("tensorflow",), site="tofu_tf.tf.compat.function_calls"),
+    Change(
         name="keras3_initializer_read",
         replaces="nothing: reads the Keras variable in the closure of Keras 3's initial-value lambda "
                  "(its _shape and _dtype)",
