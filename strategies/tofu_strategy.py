@@ -684,6 +684,28 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._twin_counts[path] = count + 1
         return path if count % twins == 0 else f"{path}#{count % twins + 1}"
 
+    # -- what a training library asks of a strategy --------------------------------
+    # TensorFlow's V1 strategy base defines these; its DTensor strategy, which this class
+    # extends, does not, and Model Garden's run_experiment and Orbit read them.
+    @property
+    def should_checkpoint(self) -> bool:
+        """Every client writes checkpoints, into the same directory: each holds only its own
+        shards, which DTensor's checkpoint writes beside the others' (a shared filesystem,
+        docs/multi_host.md). A client told not to would write its shards elsewhere (Model
+        Garden then saves to a temporary directory) and the checkpoint would miss them."""
+        return True
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Only the first client writes summaries: every client computes the same global values
+        (one SPMD program), and one writer keeps the event files free of duplicates."""
+        return self._devices.cluster.is_leader
+
+    @property
+    def experimental_should_init(self) -> bool:
+        """Every client runs initialization: each makes its own shards of every variable."""
+        return True
+
     # -- running steps -----------------------------------------------------------
     @property
     def _num_replicas_in_sync(self):

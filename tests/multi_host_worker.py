@@ -71,6 +71,9 @@ def main(argv):
              *[v.numpy() for v in model.optimizer.variables()[1:]])
     with open(os.path.join(FLAGS.work_dir, f"layouts_{client}.txt"), "w") as out:
         out.write(f"# devices per node {strategy.extended._options.hardware.devices_per_node}\n")
+        extended = strategy.extended       # what Model Garden and Orbit ask each client
+        out.write(f"# checkpoint {extended.should_checkpoint} summary {extended.should_save_summary} "
+                  f"init {extended.experimental_should_init}\n")
         for variable in model.weights:
             layout = h.keras_adapter.tf_variable(variable).layout
             out.write(f"{variable.name} {' '.join(layout.sharding_specs)}\n")

@@ -84,9 +84,14 @@ def test_two_clients_train_as_one_device(tmp_path, name, method, mesh, data):
         for got, want in zip(saved.get_weights(), mine):
             np.testing.assert_array_equal(got, want)
     layouts = (tmp_path / "layouts_0.txt").read_text()
-    specs = [line.split()[1:] for line in layouts.splitlines()[1:]]
+    specs = [line.split()[1:] for line in layouts.splitlines()[2:]]
     assert any(axis != "unsharded" for spec in specs for axis in spec), layouts   # some weight is split
     assert layouts.startswith("# devices per node 4\n"), layouts
+    # Model Garden's and Orbit's questions: every client checkpoints (its shards, one directory),
+    # only the first writes summaries, every client initializes.
+    for client, summary in ((0, True), (1, False)):
+        asked = (tmp_path / f"layouts_{client}.txt").read_text().splitlines()[1]
+        assert asked == f"# checkpoint True summary {summary} init True", asked
 
 
 @pytest.mark.slow

@@ -679,3 +679,12 @@ def test_the_strategy_holds_the_models_it_prepared_weakly():
     del model
     gc.collect()
     assert collected() is None and len(strategy.extended._prepared) == 0
+
+
+def test_training_libraries_questions_are_answered_on_one_client():
+    """Model Garden's run_experiment reads ``should_checkpoint`` to build its checkpoint manager,
+    Orbit ``should_save_summary``; TF's DTensor strategy had neither (AttributeError). The
+    two-client answers are checked in tests/test_multi_host.py."""
+    extended = TofuStrategy(num_gpus=8).extended
+    assert (extended.should_checkpoint, extended.should_save_summary, extended.experimental_should_init) == \
+        (True, True, True)
