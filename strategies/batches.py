@@ -174,7 +174,7 @@ class DistributedBatches:
     def __iter__(self):
         if traced_batches.in_trace():            # iter(dist) or `for x in dist` inside a tf.function
             return traced_batches.EpochInTrace(self._dataset, functools.partial(_place_now, self._placer))
-        return _PlacingIterator(iter(self._dataset), self._placer)
+        return _PlacingIterator(iter(self._dataset), self._placer, self._dataset)
 
     def __len__(self):
         if self._batches < 0:
@@ -200,9 +200,10 @@ class _PlacingIterator:
     (or pending, before the plan); taken inside a tf.function the iterator is passed to, each
     becomes an input of the function (``traced_batches.ReadAhead``)."""
 
-    def __init__(self, iterator, placer: Callable[[], BatchPlacer | None]):
+    def __init__(self, iterator, placer: Callable[[], BatchPlacer | None], dataset: tf.data.Dataset | None = None):
         self._placer = placer
-        self._batches = traced_batches.ReadAhead(iterator, functools.partial(_place_now, placer))
+        self._batches = traced_batches.ReadAhead(iterator, functools.partial(_place_now, placer), dataset=dataset,
+                                                 placer_of=placer)
 
     def __iter__(self):
         return self

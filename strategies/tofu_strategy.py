@@ -60,6 +60,7 @@ from tofu_tf.strategies import metric_runs
 from tofu_tf.strategies import pipeline_runner
 from tofu_tf.strategies import pipelined
 from tofu_tf.strategies import step_functions
+from tofu_tf.strategies import traced_batches
 from tofu_tf.tf import devices as devices_lib
 from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import lowering
@@ -921,7 +922,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         In a graph, inputs come from the distributed dataset and already carry
         layouts; eager tensors passed to ``run`` are copied onto the mesh.
         """
-        if isinstance(value, batches_lib.PendingValue):   # taken before the plan: laid out now
+        if isinstance(value, (batches_lib.PendingValue, traced_batches.PendingLoopValue)):   # taken before the plan
             return value.placed()
         if not tf.executing_eagerly():
             return value
@@ -962,7 +963,7 @@ def _spec_of(value):
     """The spec of a batch's value (a tensor, an array or a spec); other values pass through."""
     if isinstance(value, tf.TensorSpec):
         return value
-    if isinstance(value, batches_lib.PendingValue):
+    if isinstance(value, (batches_lib.PendingValue, traced_batches.PendingLoopValue)):
         return value.spec
     if tf.is_tensor(value) or hasattr(value, "shape") and hasattr(value, "dtype"):
         return tf.TensorSpec(value.shape, tf.as_dtype(value.dtype))

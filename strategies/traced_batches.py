@@ -29,6 +29,18 @@ the one traced is refused by name, never computed on a wrong shape:
 Where a trace ends a loop at the end of the data, ``next`` raises ``StopIteration`` (what the
 eager iterator raises), at trace time; MirroredStrategy raises ``OutOfRangeError`` when the
 function runs.
+
+A batch taken inside a loop the graph runs (``for _ in tf.range(n): strategy.run(step,
+args=(next(iterator),))``, Orbit's and Model Garden's default training loop) cannot be an input
+of the function: each iteration needs the next batch, and the count is known only when the
+function runs. Such a batch comes from a DTensor iterator instead (``MeshBatches``): TensorFlow's
+``DTensorDataset`` over the same dataset, whose iterator each iteration reads in the graph,
+every device receiving its part of the batch in the plan's batch layout (split over the plan's
+batch axis where it divides the batch, else replicated), as a fixed-shape distributed iterator
+does. From then on every batch of that iterator, eager or traced, comes from it, so the stream
+stays one; it starts from the dataset's first batch, so it is refused when the iterator already
+gave batches another way. Taken before the plan exists (the loop's first ``run`` plans), the
+batch is a ``PendingLoopValue`` until ``run`` has planned, and then read from the iterator.
 """
 
 from __future__ import annotations
@@ -127,15 +139,20 @@ class ReadAhead:
     ``next_eager`` and the calls take batches from the front. ``place`` lays a host batch out
     (the strategy's placer, once a plan exists)."""
 
-    def __init__(self, iterator, place):
+    def __init__(self, iterator, place, *, dataset=None, placer_of=None):
         self._iterator = iterator
         self._place = place
         self._ahead: collections.deque = collections.deque()
         self._reserved = weakref.WeakKeyDictionary()      # outermost graph being traced: batches it took
+        self._taken = 0                                   # batches given out, eagerly or at calls
+        # Batches taken inside a loop the graph runs come from a DTensor iterator over the dataset.
+        self._mesh = MeshBatches(dataset, placer_of) if dataset is not None and placer_of is not None else None
 
     def peek_signature(self):
         """The signature of the batch due next (None at the end of the data): it keys the traces
         of a function the iterator is passed to."""
+        if self._mesh is not None and self._mesh.started:
+            return self._mesh.signature
         if not self._ahead:
             batch = _read(self._iterator)
             if batch is None:
@@ -144,12 +161,19 @@ class ReadAhead:
         return signature(self._ahead[0])
 
     def next_eager(self):
+        if self._mesh is not None and self._mesh.started:
+            return self._mesh.next_eager()
         batch = self._ahead.popleft() if self._ahead else _read(self._iterator)
         if batch is None:
             raise StopIteration
+        self._taken += 1
         return batch
 
     def next_in_trace(self):
+        if self._mesh is not None and (self._mesh.started or in_graph_loop()):
+            if not self._mesh.started:
+                self._start_mesh_batches()
+            return self._mesh.next_in_trace()
         graph = _outermost_function_graph()
         index = self._reserved.get(graph, 0)
         if index >= MAX_UNROLLED_BATCHES:
@@ -170,7 +194,21 @@ class ReadAhead:
     def _take(self, expected, index):
         batch = self._ahead.popleft() if self._ahead else _read(self._iterator)
         _check(batch, expected, f"taken {index + 1}th in the tf.function")
+        self._taken += 1
         return self._place(batch)
+
+    def _start_mesh_batches(self):
+        if self._taken:
+            raise TracedBatchError(
+                f"a batch is taken inside a loop the tf.function runs (a tf.range or tf.while_loop body) from an "
+                f"iterator that already gave {self._taken} batch(es) outside such a loop: TofuStrategy reads a "
+                "loop's batches from a DTensor iterator over the dataset, which starts at its first batch. Take "
+                "every batch of this iterator inside the loop, or make a new iterator (iter(dist)) for the loop.")
+        first = self._ahead[0] if self._ahead else _read(self._iterator)
+        if first is None:
+            raise StopIteration
+        self._ahead.clear()                 # read ahead for shapes only: the mesh iterator starts there too
+        self._mesh.start(first)
 
 
 class IteratorTraceType(tf.types.experimental.TraceType):
@@ -260,3 +298,106 @@ class EpochInTrace:
                 "function's loop over it would skip the rest. Keep the number of batches fixed, or iterate "
                 "the distributed dataset outside the tf.function (for batch in dist: step(batch)).")
         return self._place(batch)
+
+
+def in_graph_loop() -> bool:
+    """Whether the graph being traced is the body of a loop the graph runs (``tf.range`` under
+    AutoGraph, ``tf.while_loop``), inside the outermost ``tf.function``."""
+    graph = tf.compat.v1.get_default_graph()
+    while hasattr(getattr(graph, "outer_graph", None), "capture_call_time_value"):
+        if type(graph).__name__ == "WhileBodyFuncGraph":
+            return True
+        graph = graph.outer_graph
+    return type(graph).__name__ == "WhileBodyFuncGraph"
+
+
+class PendingLoopValue:
+    """One tensor of a batch taken inside a graph loop before the plan: ``run`` plans from its
+    ``spec``, then ``placed()`` reads the whole batch from the DTensor iterator once (in the
+    graph being traced) and gives this tensor of it."""
+
+    def __init__(self, read_batch, index: int, spec: tf.TensorSpec):
+        self._read_batch = read_batch
+        self._index = index
+        self.spec = spec
+
+    def placed(self):
+        return tf.nest.flatten(self._read_batch())[self._index]
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        del dtype, name
+        return self.placed()
+
+    def __repr__(self):
+        return f"PendingLoopValue(shape={self.spec.shape}, dtype={self.spec.dtype.name})"
+
+
+class MeshBatches:
+    """A dataset's batches read by a DTensor iterator (``DTensorDataset``), for loops the graph runs.
+
+    ``start(first)`` fixes the batch signature from the dataset's first batch; the iterator itself
+    is made once the plan exists (its layouts are the plan's batch layouts). Each batch has the
+    first one's size: the dataset is unbatched and batched again at that size, dropping a partial
+    last batch (logged), as a fixed-shape distributed iterator does."""
+
+    def __init__(self, dataset, placer_of):
+        self._dataset = dataset
+        self._placer_of = placer_of
+        self._iterator = None
+        self._first = None
+        self.signature = None
+
+    @property
+    def started(self) -> bool:
+        return self._first is not None
+
+    def start(self, first) -> None:
+        self._first = first
+        self.signature = signature(first)
+        leaves = [v for v in tf.nest.flatten(first) if tf.is_tensor(v)]
+        if not leaves or any(v.shape.rank == 0 for v in leaves):
+            raise TracedBatchError(
+                "a batch taken inside a loop the tf.function runs holds a scalar: TofuStrategy reads a loop's "
+                "batches from a DTensor iterator, which splits every tensor of a batch along its first dimension. "
+                "Give every value of a batch a batch dimension.")
+        logging.info("TofuStrategy: batches taken inside a loop the tf.function runs come from a DTensor iterator "
+                     "over the dataset, %d samples each, laid out by the plan", int(leaves[0].shape[0]))
+
+    def _mesh_iterator(self):
+        if self._iterator is None:
+            placer = self._placer_of()
+            if placer is None:
+                raise TracedBatchError("a batch taken inside a loop the tf.function runs was read before the plan "
+                                       "existed: pass it to strategy.run, which plans, before using it")
+            from tensorflow.experimental import dtensor
+            size = int(tf.nest.flatten(self._first)[0].shape[0])
+            layouts = tf.nest.map_structure(lambda v: placer.layout(tuple(v.shape)), self._first)
+            split = all(layout.sharding_specs[0] == placer.batch_axis for layout in tf.nest.flatten(layouts))
+            if not split:
+                layouts = tf.nest.map_structure(lambda layout: dtensor.Layout.replicated(placer.mesh, layout.rank),
+                                                layouts)
+            with tf.init_scope():
+                dataset = dtensor.DTensorDataset(self._dataset.unbatch(), mesh=placer.mesh, layouts=layouts,
+                                                 global_batch_size=size, batch_dim=placer.batch_axis if split else None)
+                self._iterator = iter(dataset)
+        return self._iterator
+
+    def next_eager(self):
+        try:
+            return next(self._mesh_iterator())
+        except tf.errors.OutOfRangeError:
+            raise StopIteration from None
+
+    def next_in_trace(self):
+        if self._placer_of() is not None:
+            return self._mesh_iterator().get_next()
+        read = {}
+
+        def read_batch():               # once per batch, in the graph run's resolves the first tensor in
+            graph = tf.compat.v1.get_default_graph()
+            if read.get("graph") is not graph:
+                read["graph"], read["batch"] = graph, self._mesh_iterator().get_next()
+            return read["batch"]
+        flat = tf.nest.flatten(self._first)
+        leaves = [PendingLoopValue(read_batch, i, tf.TensorSpec(v.shape, v.dtype)) for i, v in enumerate(flat)]
+        return tf.nest.pack_sequence_as(self._first, leaves)

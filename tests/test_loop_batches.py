@@ -1,0 +1,90 @@
+"""Batches taken inside a loop the graph runs train as one device (``traced_batches.MeshBatches``).
+
+``for _ in tf.range(n): strategy.run(step, args=(next(iterator),))`` inside one ``tf.function``
+is Orbit's and Model Garden's default training loop. Before, the trace failed in TensorFlow's
+``while_v2`` ("body_graph has 19 outputs; Expected: 20"): the batch became an input captured
+at call time inside the loop body. Orbit and Model Garden themselves: tests/test_orbit.py.
+
+The step is TF's custom-training tutorial's (``compute_average_loss`` over the global batch)
+with SGD, compared with one device at rtol 1e-5 / atol 1e-6.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+from tofu_tf.strategies import TofuStrategy
+from tofu_tf.strategies.traced_batches import TracedBatchError
+
+pytestmark = pytest.mark.slow   # trains under TofuStrategy
+
+BATCH = 8
+PLAN_MESH = {"batch": 2, "model": 4}
+
+
+def _model():
+    keras.utils.set_random_seed(4)
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(4)])
+
+
+def _dataset(repeat=True):
+    rng = np.random.RandomState(0)
+    data = tf.data.Dataset.from_tensor_slices((rng.randn(64, 16).astype("float32"), rng.randint(0, 4, 64)))
+    data = data.batch(BATCH, drop_remainder=True)
+    return data.repeat() if repeat else data
+
+
+def _step(model, optimizer):
+    def step(batch):
+        x, y = batch
+        with tf.GradientTape() as tape:
+            per_example = keras.losses.sparse_categorical_crossentropy(y, model(x, training=True), from_logits=True)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    return step
+
+
+def _one_device(steps):
+    model, optimizer = _model(), keras.optimizers.SGD(0.1)
+    step = _step(model, optimizer)
+    for batch in _dataset().take(steps):
+        step(batch)
+    return model.get_weights()
+
+
+def _under_strategy():
+    strategy = TofuStrategy(num_gpus=8, mesh_shape=PLAN_MESH)
+    with strategy.scope():
+        model, optimizer = _model(), keras.optimizers.SGD(0.1)
+    step = _step(model, optimizer)
+
+    @tf.function
+    def train(iterator, num_steps):
+        for _ in tf.range(num_steps):
+            strategy.run(step, args=(next(iterator),))
+    return strategy, model, step, train
+
+
+def test_a_tf_range_loop_takes_a_batch_per_iteration_as_one_device():
+    strategy, model, step, train = _under_strategy()
+    iterator = iter(strategy.experimental_distribute_dataset(_dataset()))
+    train(iterator, tf.constant(3))                     # plans at the first run, inside the loop's trace
+    traces = train.experimental_get_tracing_count()     # (twice: the first trace made the plan's variables)
+    train(iterator, tf.constant(2))                     # the same trace, the next two batches
+    assert train.experimental_get_tracing_count() == traces
+    for got, want in zip(model.get_weights(), _one_device(5)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    strategy.run(step, args=(next(iterator),))          # eagerly after the loop: the 6th batch, one stream
+    for got, want in zip(model.get_weights(), _one_device(6)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loop_after_batches_taken_another_way_is_refused():
+    strategy, _, step, train = _under_strategy()
+    iterator = iter(strategy.experimental_distribute_dataset(_dataset()))
+    strategy.run(step, args=(next(iterator),))          # one batch taken eagerly, outside the loop
+    with pytest.raises(Exception, match=f"{TracedBatchError.__name__}: .* already gave 1 batch"):
+        train(iterator, tf.constant(2))                 # raised while tracing: autograph wraps it in a StagingError

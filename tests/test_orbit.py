@@ -1,0 +1,85 @@
+"""Orbit's ``Controller`` over a ``StandardTrainer`` with its defaults trains under TofuStrategy
+as under MirroredStrategy on the same 8 CPUs.
+
+Orbit (TensorFlow Model Garden's loop library, in the ``tf-models-nightly`` wheel) runs
+``for _ in tf.range(num_steps): strategy.run(step_fn, args=(next(iterator),))`` in one
+``tf.function`` (``use_tf_while_loop=True``, its default). Before, the trace failed in
+``while_v2`` ("body_graph has 19 outputs; Expected: 20"). The step follows TF's
+custom-training tutorial (``compute_average_loss`` over the global batch), so MirroredStrategy's
+summed replica gradients equal the global one; weights are compared at rtol 1e-5 / atol 1e-6
+(SGD). Under MirroredStrategy each of the 8 replicas adds its share of the loss (its sum divided
+by the global batch) to the Mean metric, under TofuStrategy the one global value: 8 times as much.
+
+``tf-models-nightly`` pins a nightly TensorFlow, so it is installed without its dependencies
+(``.ci/run``); Orbit itself needs only TensorFlow and tf-keras. Without it these tests skip.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+from tofu_tf.strategies import TofuStrategy
+
+orbit = pytest.importorskip("orbit", reason="Orbit comes with tf-models-nightly: "
+                                            "pip install --no-deps tf-models-nightly (see .ci/run)")
+
+pytestmark = pytest.mark.slow   # trains under two strategies
+
+BATCH, STEPS_PER_LOOP, STEPS = 8, 3, 6
+
+
+def _dataset():
+    rng = np.random.RandomState(0)
+    data = tf.data.Dataset.from_tensor_slices((rng.randn(64, 16).astype("float32"), rng.randint(0, 4, 64)))
+    return data.batch(BATCH, drop_remainder=True).repeat()
+
+
+class _Trainer(orbit.StandardTrainer):
+    """keras.io / Orbit's own example trainer, as a user writes it."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            self.model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
+                                           keras.layers.Dense(4)])
+            self.optimizer = keras.optimizers.SGD(0.1)
+            self.train_loss = keras.metrics.Mean("loss")
+        super().__init__(strategy.experimental_distribute_dataset(_dataset()))   # options: Orbit's defaults
+
+    def train_loop_begin(self):
+        self.train_loss.reset_states()
+
+    def train_step(self, iterator):
+        def step_fn(inputs):
+            x, y = inputs
+            with tf.GradientTape() as tape:
+                per_example = keras.losses.sparse_categorical_crossentropy(y, self.model(x, training=True),
+                                                                           from_logits=True)
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=BATCH)
+            grads = tape.gradient(loss, self.model.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+            self.train_loss.update_state(loss)
+        self.strategy.run(step_fn, args=(next(iterator),))
+
+    def train_loop_end(self):
+        return {"loss": self.train_loss.result()}
+
+
+def _train(strategy):
+    trainer = _Trainer(strategy)
+    assert trainer._train_options.use_tf_while_loop      # pylint: disable=protected-access
+    controller = orbit.Controller(trainer=trainer, strategy=strategy, steps_per_loop=STEPS_PER_LOOP,
+                                  global_step=trainer.optimizer.iterations)
+    controller.train(steps=STEPS)
+    return trainer
+
+
+def test_orbit_default_loop_trains_as_mirrored_strategy():
+    mirrored = _train(tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(8)]))
+    tofu = _train(TofuStrategy(num_gpus=8, mesh_shape={"batch": 2, "model": 4}))
+    assert int(tofu.optimizer.iterations.numpy()) == STEPS
+    for got, want in zip(tofu.model.get_weights(), mirrored.model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(tofu.train_loss.result()), 8 * float(mirrored.train_loss.result()), rtol=1e-5)
