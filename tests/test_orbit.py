@@ -1,14 +1,15 @@
 """Orbit's ``Controller`` over a ``StandardTrainer`` with its defaults trains under TofuStrategy
-as under MirroredStrategy on the same 8 CPUs.
+as on one device (Orbit under the default strategy).
 
 Orbit (TensorFlow Model Garden's loop library, in the ``tf-models-nightly`` wheel) runs
 ``for _ in tf.range(num_steps): strategy.run(step_fn, args=(next(iterator),))`` in one
 ``tf.function`` (``use_tf_while_loop=True``, its default). Before, the trace failed in
 ``while_v2`` ("body_graph has 19 outputs; Expected: 20"). The step follows TF's
-custom-training tutorial (``compute_average_loss`` over the global batch), so MirroredStrategy's
-summed replica gradients equal the global one; weights are compared at rtol 1e-5 / atol 1e-6
-(SGD). Under MirroredStrategy each of the 8 replicas adds its share of the loss (its sum divided
-by the global batch) to the Mean metric, under TofuStrategy the one global value: 8 times as much.
+custom-training tutorial (``compute_average_loss`` over the global batch); weights and the loss
+metric are compared at rtol 1e-5 / atol 1e-6 (SGD). MirroredStrategy on the same 8 CPUs gives the
+same weights (checked by hand); it is not the reference here because its collectives share group
+keys with other MirroredStrategies of the test process ("joining a group with size8, but that
+group has size 2"), and its Mean metric adds each replica's share of the loss (1/8 of the value).
 
 ``tf-models-nightly`` pins a nightly TensorFlow, so it is installed without its dependencies
 (``.ci/run``); Orbit itself needs only TensorFlow and tf-keras. Without it these tests skip.
@@ -76,10 +77,10 @@ def _train(strategy):
     return trainer
 
 
-def test_orbit_default_loop_trains_as_mirrored_strategy():
-    mirrored = _train(tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(8)]))
+def test_orbit_default_loop_trains_as_one_device():
+    one_device = _train(tf.distribute.get_strategy())
     tofu = _train(TofuStrategy(num_gpus=8, mesh_shape={"batch": 2, "model": 4}))
     assert int(tofu.optimizer.iterations.numpy()) == STEPS
-    for got, want in zip(tofu.model.get_weights(), mirrored.model.get_weights()):
+    for got, want in zip(tofu.model.get_weights(), one_device.model.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(float(tofu.train_loss.result()), 8 * float(mirrored.train_loss.result()), rtol=1e-5)
+    np.testing.assert_allclose(float(tofu.train_loss.result()), float(one_device.train_loss.result()), rtol=1e-5)
