@@ -62,9 +62,11 @@ from tofu_tf.strategies import step_functions
 from tofu_tf.tf import devices as devices_lib
 from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import lowering
+from tofu_tf.tf import mesh_captures
 from tofu_tf.tf import variables as variables_lib
 from tofu_tf.tf import compat
 from tofu_tf.tf.compat import calls as compat_calls
+from tofu_tf.tf.compat import keras_ops as compat_keras_ops
 from tofu_tf.tf.compat import layers as compat_layers
 from tofu_tf.tf.compat import optimizers as compat_optimizers
 from tofu_tf.tf.compat import process as compat_process
@@ -750,7 +752,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         kwargs = tf.nest.map_structure(self._to_batch_layout, kwargs)
         if _captures_off_mesh(fn):
             return self._run_per_device(fn, args, kwargs)
-        with self._container_strategy().scope(), _GlobalReplicaContext(self._container_strategy()):
+        with self._container_strategy().scope(), _GlobalReplicaContext(self._container_strategy()), \
+                mesh_captures.on_mesh(self.mesh), compat_keras_ops.dtensor_expandable_ops():
             result = fn(*args, **kwargs)
         self._check_entries_taken(model)
         return tf.nest.map_structure(_as_distributed_value, result)

@@ -31,6 +31,7 @@ class Scope(enum.Enum):
     CAPTURE = "during capture"           # while a step is traced for planning, then restored
     CREATION = "during variable creation"  # while one variable is made, on the calling thread only
     CALL = "during a step call"          # while a step program is called, on the calling thread only
+    TRACE = "while a step is traced"     # while the function passed to strategy.run is traced, its graph/thread only
     PROCESS = "process-wide"             # every model in the process, while a TofuStrategy is alive
     READ = "read only"                   # a private attribute read, nothing changed
 
@@ -291,6 +292,35 @@ CHANGES: tuple[Change, ...] = (
         why="TensorFlow runs grappler on each device's part of a DTensor program; on virtual CPU devices, "
             "which share the host's cores, that was the largest part of a first step",
         packages=("tensorflow",), site="tofu_tf.tf.compat.calls"),
+    Change(
+        name="captured_tensors_on_mesh",
+        replaces="the capture method of the FuncGraph being traced (on that instance): an eager tensor it would "
+                 "take as a program input is captured as a replicated copy on the mesh",
+        targets=("tensorflow.python.framework.func_graph:FuncGraph.capture",
+                 "tensorflow.python.framework.ops:EagerTensor"),
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on error",
+        why="a layer's own eager tensor (Swin's relative-position index) became a regular input of a program on "
+            "the mesh, which DTensor refuses",
+        packages=("tensorflow",), site="tofu_tf.tf.mesh_captures"),
+    Change(
+        name="slice_update_strided",
+        replaces="Keras 3's TensorFlow backend slice_update (the module function), written as "
+                 "TensorStridedSliceUpdate with XLA's clamped starts, on the tracing thread",
+        targets=("keras.src.backend.tensorflow.core:slice_update",),
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
+                                  "error; other threads see the original",
+        why="DTensor has no layout propagation for XlaDynamicUpdateSlice and it has no CPU kernel to fold it "
+            "(Swin's shifted-window mask)",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
+    Change(
+        name="roll_as_slices",
+        replaces="Keras 3's TensorFlow backend roll (the module function), written as concatenated slices for "
+                 "static shifts, on the tracing thread",
+        targets=("keras.src.backend.tensorflow.numpy:roll",),
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
+                                  "error; other threads see the original",
+        why="DTensor has no layout propagation for Roll (Swin's shifted windows)",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
     # -- process-wide ---------------------------------------------------------------------------
     Change(
         name="dtensor_all_reduces_uncombined",
