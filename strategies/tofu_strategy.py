@@ -70,6 +70,7 @@ from tofu_tf.tf.compat import keras_ops as compat_keras_ops
 from tofu_tf.tf.compat import layers as compat_layers
 from tofu_tf.tf.compat import optimizers as compat_optimizers
 from tofu_tf.tf.compat import process as compat_process
+from tofu_tf.tf.compat import summaries as compat_summaries
 
 
 class PlanningError(TofuError, RuntimeError):
@@ -337,6 +338,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         # tf-keras keeps a fixed `keras.Input(batch_size=...)` global when this is set.
         self._global_batch_size = True
         compat_process.hold_summary_printer(container_strategy)   # undone when no TofuStrategy is alive
+        compat_summaries.hold_summaries(container_strategy)       # tf.summary of a value on the mesh: gathered
         if plan is not None:
             self._adopt(plan)
 

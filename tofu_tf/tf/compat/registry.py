@@ -341,6 +341,26 @@ CHANGES: tuple[Change, ...] = (
             "for its layout (ZeroDivisionError); the replacement changes only a TofuStrategy's unplanned models",
         packages=("tf-keras",), site="tofu_tf.tf.compat.process"),
     Change(
+        name="summaries_gathered",
+        replaces="TensorBoard's summary functions scalar, histogram, image, audio and text (tensorboard.summary.v2, "
+                 "which tf.summary's call) and tf.summary.write (tf.summary, tf.compat.v2.summary): a value on the "
+                 "mesh, given eagerly, is assembled on the host first",
+        targets=("tensorboard.summary.v2:scalar", "tensorboard.summary.v2:histogram", "tensorboard.summary.v2:image",
+                 "tensorboard.summary.v2:audio", "tensorboard.summary.v2:text", "tensorflow._api.v2.summary:write",
+                 "tensorflow._api.v2.compat.v2.summary:write"),
+        scope=Scope.PROCESS, undone="when no TofuStrategy is alive any more",
+        why="a summary computes eagerly on its value with regular tensors (a histogram's bucket edges), and "
+            "DTensor refuses a weight on the mesh beside them: TensorBoard(histogram_freq=1) stopped fit",
+        packages=("tensorflow", "tensorboard"), site="tofu_tf.tf.compat.summaries"),
+    Change(
+        name="keras3_numpy_gathered",
+        replaces="Keras 3's keras.src.backend.convert_to_numpy (the module function, TensorFlow backend): a tensor "
+                 "on the mesh is assembled on the host first",
+        targets=("keras.src.backend:convert_to_numpy",),
+        scope=Scope.PROCESS, undone="when no TofuStrategy is alive any more",
+        why="numpy cannot copy a split DTensor off the mesh: Keras 3's TensorBoard(write_images=True) stopped fit",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.summaries"),
+    Change(
         name="keras3_initializer_read",
         replaces="nothing: reads the Keras variable in the closure of Keras 3's initial-value lambda "
                  "(its _shape and _dtype)",
