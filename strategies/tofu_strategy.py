@@ -53,6 +53,7 @@ from tofu_tf import plan_check
 from tofu_tf.cost import hardware as hardware_lib
 from tofu_tf.errors import TofuError
 from tofu_tf.strategies import batches as batches_lib
+from tofu_tf.strategies import eager_calls
 from tofu_tf.strategies import keras_hooks
 from tofu_tf.strategies import layout_maps
 from tofu_tf.strategies import metric_runs
@@ -339,6 +340,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._global_batch_size = True
         compat_process.hold_summary_printer(container_strategy)   # undone when no TofuStrategy is alive
         compat_summaries.hold_summaries(container_strategy)       # tf.summary of a value on the mesh: gathered
+        eager_calls.hold_eager_calls(container_strategy)          # a model called eagerly: on the mesh
         if plan is not None:
             self._adopt(plan)
 
@@ -551,6 +553,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         path = _scoped_path(kwargs.get("name"))
         if self._lowered is None:
             compat_process.SUMMARY_PRINTER.refresh()    # tf-keras may be imported after the strategy was made
+            eager_calls.refresh_eager_calls()
             variable = variables_lib.DeferredVariable(
                 initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
                 trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
@@ -676,6 +679,19 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         count = self._twin_counts.get(path, 0)
         self._twin_counts[path] = count + 1
         return path if count % twins == 0 else f"{path}#{count % twins + 1}"
+
+    # -- a model called eagerly outside strategy.run (tofu_tf.strategies.eager_calls) --------
+    pipelined = property(lambda self: self._options.pipeline is not None)
+    planned = property(lambda self: self._lowered is not None)
+
+    def prepare_model(self, model) -> None:
+        self._prepare(model)
+
+    def batch_placer(self) -> batches_lib.BatchPlacer:
+        return self._placer()
+
+    def call_model_eagerly(self, model, call, args, kwargs):
+        return eager_calls.call_on_mesh(self, model, call, args, kwargs)
 
     # -- running steps -----------------------------------------------------------
     @property

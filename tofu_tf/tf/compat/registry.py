@@ -161,6 +161,16 @@ CHANGES: tuple[Change, ...] = (
             "DTensor program (one mesh) cannot; the step runs eagerly from the host, one stage's ops at a time",
         packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.strategies.pipeline_runner"),
     Change(
+        name="eager_model_calls",
+        replaces="tf-keras and Keras 3 Model.__call__ (on the class): a TofuStrategy's model called eagerly outside "
+                 "strategy.run with values is planned (first call), its inputs laid out on the mesh, its outputs "
+                 "returned on the host with gradients back to the mesh",
+        targets=("tf_keras:Model.__call__", "keras:Model.__call__"),
+        scope=Scope.PROCESS, undone="when no TofuStrategy is alive any more",
+        why="an eager training loop (GradientTape, no tf.function) computed on host copies of deferred weights: "
+            "No gradients provided for any variable",
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.strategies.eager_calls"),
+    Change(
         name="savedmodel_from_copy",
         replaces="the model's _trackable_children (SavedModel only), save and export",
         targets=("tf_keras:Model._trackable_children", "tf_keras:Model.save", "tf_keras:Model.export",
