@@ -26,7 +26,8 @@ values (tensors, arrays), is called on the mesh (the change "eager_model_calls",
    does (the model's compiled loss and optimizer, else mean squared error and SGD: the loop's
    own are not reachable from a call; plan the model first for them), and makes its variables.
 2. The inputs are laid out on the mesh as the strategy lays out a batch (split over the
-   plan's batch axis when it divides them, else replicated).
+   plan's batch axis when it divides them, else replicated), and the model's call runs as a
+   ``tf.function`` traced once per input signature (``_program`` says why), as a step does.
 3. The outputs come back to the host as one device returns them (assembled from their
    shards), so the loop's own loss, metrics and prints compute on host values. The gradient
    a tape sends back into an output is laid out as the output was on the mesh, and flows
@@ -46,6 +47,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -54,7 +56,9 @@ from absl import logging
 from tensorflow.experimental import dtensor
 
 from tofu_tf.errors import TofuError
+from tofu_tf.tf import mesh_captures
 from tofu_tf.tf import variables as variables_lib
+from tofu_tf.tf.compat import keras_ops as compat_keras_ops
 from tofu_tf.tf.compat import patching
 from tofu_tf.tf.compat.registry import change
 
@@ -75,7 +79,7 @@ def _calling(model, call: Callable, args, kwargs):
         return call(model, *args, **kwargs)
     _INSIDE.active = True
     try:
-        return extended.call_model_eagerly(model, functools.partial(call, model), args, kwargs)
+        return extended.call_model_eagerly(model, call, args, kwargs)
     finally:
         _INSIDE.active = False
 
@@ -132,7 +136,7 @@ def refresh_eager_calls() -> None:
 
 
 def call_on_mesh(extended, model, call: Callable, args, kwargs):
-    """``call(*args, **kwargs)`` of ``model`` on ``extended``'s mesh, planning first when no plan
+    """``call(model, *args, **kwargs)`` (the class's ``__call__``) on ``extended``'s mesh, planning first when no plan
     exists; outputs on the host, with gradients back to the mesh (the module docstring)."""
     if extended.pipelined:
         raise EagerCallError(
@@ -151,8 +155,32 @@ def call_on_mesh(extended, model, call: Callable, args, kwargs):
     args, kwargs = tf.nest.map_structure(lambda value: placer.place(value) if _is_value(value) else value,
                                          (tuple(args), dict(kwargs)))
     with extended._container_strategy().scope():  # pylint: disable=protected-access
-        outputs = call(*args, **kwargs)
+        outputs = _program(model, call, extended.mesh)(*args, **kwargs)
     return tf.nest.map_structure(to_host_with_gradient, outputs)
+
+
+# model -> its eager calls' tf.function (which holds the model weakly: a value here holding its
+# key strongly would keep every model alive).
+_PROGRAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _program(model, original: Callable, mesh: dtensor.Mesh):
+    """The ``tf.function`` a model's eager calls run as, one trace per input signature. Run op by op,
+    each op of the call would meet the layers' own eager tensors (a mask or an index a layer made
+    at build) as regular tensors beside the weights on the mesh, which DTensor refuses; traced, the
+    step's mechanism puts them on the mesh (``tofu_tf.tf.mesh_captures``), and Keras 3 ops DTensor
+    cannot lay out are written as ones it can (``tofu_tf.tf.compat.keras_ops``). A tape around the
+    call records the function, whose gradient runs on the mesh too."""
+    program = _PROGRAMS.get(model)
+    if program is None or program[0] != mesh:
+        held = weakref.ref(model)
+
+        def call(*args, **kwargs):
+            with mesh_captures.on_mesh(mesh, f"{held().name} called eagerly"), \
+                    compat_keras_ops.dtensor_expandable_ops():
+                return original(held(), *args, **kwargs)
+        program = _PROGRAMS[model] = (mesh, tf.function(call))
+    return program[1]
 
 
 def _is_value(value) -> bool:

@@ -97,3 +97,16 @@ def test_a_pipelined_strategy_refuses_an_eager_call_naming_fit():
         model = _model(keras)
     with pytest.raises(eager_calls.EagerCallError, match=r"model\.fit"):
         model(_data()[0][:BATCH])
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_an_eager_call_of_a_layer_holding_its_own_constants_is_one_devices(flavor):
+    from tests import test_mesh_captures as constants
+    keras = _keras(flavor)
+    strategy = TofuStrategy(num_gpus=8, plan=constants._split_plan(flavor))
+    with strategy.scope():
+        model = constants._model(keras)
+    reference = constants._model(keras)
+    reference.set_weights(model.get_weights())
+    x, _ = constants._data()
+    np.testing.assert_allclose(model(x[:BATCH]), reference(x[:BATCH]), rtol=1e-5, atol=1e-6)
