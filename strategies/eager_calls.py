@@ -56,7 +56,7 @@ from absl import logging
 from tensorflow.experimental import dtensor
 
 from tofu_tf.errors import TofuError
-from tofu_tf.tf import mesh_captures
+from tofu_tf.tf import keras_adapter, mesh_captures
 from tofu_tf.tf import variables as variables_lib
 from tofu_tf.tf.compat import keras_ops as compat_keras_ops
 from tofu_tf.tf.compat import patching
@@ -75,13 +75,27 @@ def _calling(model, call: Callable, args, kwargs):
     strategy = getattr(model, "distribute_strategy", None)
     extended = getattr(strategy, "extended", None)
     if (not hasattr(extended, "call_model_eagerly") or getattr(_INSIDE, "active", False)
-            or not tf.executing_eagerly() or _in_replica_function() or not _holds_values((args, kwargs))):
+            or not tf.executing_eagerly() or _in_replica_function() or not _holds_values((args, kwargs))
+            or not _of_strategy(model, strategy)):
         return call(model, *args, **kwargs)
     _INSIDE.active = True
     try:
         return extended.call_model_eagerly(model, call, args, kwargs)
     finally:
         _INSIDE.active = False
+
+
+def _of_strategy(model, strategy) -> bool:
+    """Whether ``model``'s weights are ``strategy``'s, or, for a model with none yet (built at its
+    first call), whether it is called in ``strategy``'s scope. A model reporting the strategy only
+    because it is called in its scope (a one-device copy made for an export) is not."""
+    weights = model.weights
+    if not weights:
+        return tf.distribute.has_strategy() and tf.distribute.get_strategy() is strategy
+    variable = keras_adapter.backing_variable(weights[0])
+    variable = getattr(variable, "_variable", variable) if not hasattr(variable, "_tofu_path") else variable  # AutoCast
+    return getattr(variable, "_distribute_strategy", None) is strategy and strategy.extended.variable_created_in_scope(
+        variable)
 
 
 def _in_replica_function() -> bool:

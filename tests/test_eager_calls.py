@@ -110,3 +110,15 @@ def test_an_eager_call_of_a_layer_holding_its_own_constants_is_one_devices(flavo
     reference.set_weights(model.get_weights())
     x, _ = constants._data()
     np.testing.assert_allclose(model(x[:BATCH]), reference(x[:BATCH]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_of_no_tofu_strategy_called_in_the_scope_runs_as_it_is():
+    keras = _keras("keras3")
+    outside = _model(keras)                      # its weights are plain variables (a one-device copy's kind)
+    x, _ = _data()
+    want = outside(x[:BATCH])
+    strategy = TofuStrategy(num_gpus=8)
+    with strategy.scope():
+        got = outside(x[:BATCH])
+    assert strategy.plan is None, "a model whose weights are not the strategy's must not be planned"
+    np.testing.assert_array_equal(got, want)
