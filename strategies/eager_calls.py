@@ -35,7 +35,8 @@ values (tensors, arrays), is called on the mesh (the change "eager_model_calls",
    gradient on the mesh, in a layout the optimizer's update (``apply_gradients`` in the scope)
    applies shard by shard.
 
-Nothing changes for a model not of a TofuStrategy, for calls inside ``strategy.run``, Keras'
+Nothing changes for a model whose weights are not a TofuStrategy's (a one-device copy called in
+the scope; an unbuilt model counts as the strategy's when called in its scope), for calls inside ``strategy.run``, Keras'
 steps or any ``tf.function``, or for symbolic calls (a functional model built from
 ``keras.Input``). A pipelined strategy (``pipeline=``) refuses the call, naming ``fit``.
 Gradients with respect to the inputs themselves do not cross the boundary (the tape sees the
