@@ -51,8 +51,10 @@ setup(
         # keras-hub: the tests and bench/zoo.py train its models (small configs, no downloads).
         # matplotlib: Plan.to_png and tofu-plan --png (the HTML page needs nothing); the tests draw one.
         # pytest-xdist: the README's test command runs the suite on two workers, a file each.
+        # tensorboard: Keras' TensorBoard callback needs it (its users have it); the tests read
+        # back what it writes of weights on the mesh.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "highspy>=1.7",
-                 "keras-hub" + TESTED["keras-hub"], "matplotlib>=3.8"],
+                 "keras-hub" + TESTED["keras-hub"], "matplotlib>=3.8", "tensorboard" + TESTED["tensorboard"]],
         "bench": ["highspy>=1.7", "keras-hub" + TESTED["keras-hub"]],
         "plot": ["matplotlib>=3.8"],
     },

@@ -13,9 +13,10 @@ keras-hub makes is kept, and each call
   decoding program runs with the weights where the plan put them: a weight the plan splits is
   never gathered whole for decoding, and the cache takes the layout DTensor propagates from
   the prompts and the weights;
-* runs with Keras' ``slice_update`` written as a select (``tofu_tf.tf.compat.decoding``): the
-  cache's in-place update lowers to an op DTensor cannot lay out; the sampler's multinomial
-  draw runs replicated (same module), drawing one device's values;
+* runs with Keras' ``slice_update`` written as a select of the padded update
+  (``tofu_tf.tf.compat.keras_ops``): the cache's in-place update lowers to an op DTensor cannot
+  lay out; the sampler's multinomial draw runs replicated (``tofu_tf.tf.compat.decoding``),
+  drawing one device's values;
 * is called with the options of the strategy's step programs (grappler off on CPU meshes,
   ``tofu_tf.tf.compat.calls``), and returns the tokens assembled on the host, where keras-hub's
   post-processing (``strip_prompt``, detokenizing) runs as on one device.
@@ -37,6 +38,7 @@ from tofu_tf.strategies import batches as batches_lib
 from tofu_tf.tf import variables as variables_lib
 from tofu_tf.tf.compat import calls
 from tofu_tf.tf.compat import decoding
+from tofu_tf.tf.compat import keras_ops as compat_keras_ops
 
 CHANGE_NAME = "generate_function_placed"
 
@@ -112,7 +114,7 @@ class PlacedGeneration:
             logging.info("TofuStrategy: %s: the sampler's state (%s) moved onto the mesh, replicated",
                          self._model_name, ", ".join(moved))
         placed = tf.nest.map_structure(placer.place, inputs)
-        with decoding.slice_updates_as_selects(), calls.step_call_options(self._optimize_graph):
+        with compat_keras_ops.dtensor_expandable_ops(), calls.step_call_options(self._optimize_graph):
             outputs = self._function(placed, stop_token_ids=stop_token_ids)
         return tf.nest.map_structure(batches_lib.to_host, outputs)
 

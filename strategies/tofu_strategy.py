@@ -54,6 +54,7 @@ from tofu_tf.cost import hardware as hardware_lib
 from tofu_tf.errors import TofuError
 from tofu_tf.strategies import batches as batches_lib
 from tofu_tf.strategies import generation
+from tofu_tf.strategies import eager_calls
 from tofu_tf.strategies import keras_hooks
 from tofu_tf.strategies import layout_maps
 from tofu_tf.strategies import metric_runs
@@ -64,14 +65,17 @@ from tofu_tf.strategies import traced_batches
 from tofu_tf.tf import devices as devices_lib
 from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import lowering
+from tofu_tf.tf import mesh_captures
 from tofu_tf.tf import variables as variables_lib
 from tofu_tf.tf import compat
 from tofu_tf.tf.compat import calls as compat_calls
 from tofu_tf.tf.compat import decoding as compat_decoding
 from tofu_tf.tf.compat import function_calls as compat_function_calls
+from tofu_tf.tf.compat import keras_ops as compat_keras_ops
 from tofu_tf.tf.compat import layers as compat_layers
 from tofu_tf.tf.compat import optimizers as compat_optimizers
 from tofu_tf.tf.compat import process as compat_process
+from tofu_tf.tf.compat import summaries as compat_summaries
 
 
 class PlanningError(TofuError, RuntimeError):
@@ -340,6 +344,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._global_batch_size = True
         compat_process.hold_summary_printer(container_strategy)   # undone when no TofuStrategy is alive
         compat_decoding.hold_generate_router(container_strategy)   # likewise
+        compat_summaries.hold_summaries(container_strategy)       # tf.summary of a value on the mesh: gathered
+        eager_calls.hold_eager_calls(container_strategy)          # a model called eagerly: on the mesh
         if plan is not None:
             self._adopt(plan)
 
@@ -559,6 +565,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         if self._lowered is None:
             compat_process.SUMMARY_PRINTER.refresh()    # tf-keras may be imported after the strategy was made
             compat_decoding.GENERATE_ROUTER.refresh()   # and keras-hub
+            eager_calls.refresh_eager_calls()
             variable = variables_lib.DeferredVariable(
                 initial_value=initial_value, shape=shape, dtype=dtype, name=kwargs.get("name"),
                 trainable=kwargs.get("trainable", True), extra_kwargs=kwargs)
@@ -706,6 +713,18 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
     def experimental_should_init(self) -> bool:
         """Every client runs initialization: each makes its own shards of every variable."""
         return True
+    # -- a model called eagerly outside strategy.run (tofu_tf.strategies.eager_calls) --------
+    pipelined = property(lambda self: self._options.pipeline is not None)
+    planned = property(lambda self: self._lowered is not None)
+
+    def prepare_model(self, model) -> None:
+        self._prepare(model)
+
+    def batch_placer(self) -> batches_lib.BatchPlacer:
+        return self._placer()
+
+    def call_model_eagerly(self, model, call, args, kwargs):
+        return eager_calls.call_on_mesh(self, model, call, args, kwargs)
 
     # -- running steps -----------------------------------------------------------
     @property
@@ -784,7 +803,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         kwargs = tf.nest.map_structure(self._to_batch_layout, kwargs)
         if _captures_off_mesh(fn):
             return self._run_per_device(fn, args, kwargs)
-        with self._container_strategy().scope(), _GlobalReplicaContext(self._container_strategy()):
+        with self._container_strategy().scope(), _GlobalReplicaContext(self._container_strategy()), \
+                mesh_captures.on_mesh(self.mesh), compat_keras_ops.dtensor_expandable_ops():
             result = fn(*args, **kwargs)
         self._check_entries_taken(model)
         return tf.nest.map_structure(_as_distributed_value, result)

@@ -34,6 +34,7 @@ TESTED = {
     "tf-keras": ">=2.21,<2.22",
     "keras": ">=3.10,<4",
     "keras-hub": ">=0.32,<0.33",
+    "tensorboard": ">=2.21,<2.22",
 }
 
 # Distribution name -> (the oldest release tofu_tf can run on at all, why). keras-hub has no

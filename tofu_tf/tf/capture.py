@@ -405,6 +405,8 @@ class _Translator:
         for index, op in enumerate(operations):
             self._place_stamps(index, stamps_at.get(index, ()))
             if op.type == "Placeholder" and op.outputs[0].name not in inputs:
+                if op.outputs[0].dtype != tf.resource:
+                    self._add_captured_value(op)
                 continue  # a captured variable handle: tensors refer to it by path
             self._add_op(op, prefix="", graph=graph)
         self._place_stamps(len(operations), stamps_at.get(len(operations), ()))
@@ -420,6 +422,16 @@ class _Translator:
             tensors[resolved] = dataclasses.replace(tensors[resolved], role=ir.Role.GRADIENT, variable_path=path)
             variables[path] = dataclasses.replace(variables[path], gradient=resolved)
         return ir.Graph(ops=tuple(self._ops), tensors=tensors, variables=variables)
+
+    def _add_captured_value(self, op) -> None:
+        """An eager tensor the step captured as an input (a layer's own table made at build, over
+        TensorFlow's size for embedding it as a constant): a constant of the step, as it is to
+        the strategy, which puts it on the mesh replicated (``tofu_tf.tf.mesh_captures``). Left
+        out, its consumers saw an operand of no shape."""
+        tensor = op.outputs[0]
+        self._ops.append(ir.Op(name=op.name, type="Const", inputs=(), outputs=(tensor.name,), attrs={},
+                               layer=self._layers.layer_of(op.name)))
+        self._tensors[tensor.name] = self._tensor(tensor, tensor.name, op.name, op, ())
 
     def _link_captured_handles(self, graph) -> None:
         """Name every captured handle: by its variable's path, or, for a handle

@@ -4,15 +4,14 @@ keras-hub's samplers and cached attention update tensors in place inside a ``whi
 and draw tokens with TensorFlow's stateless multinomial sampler. DTensor (TF 2.21) has no
 layout propagation for either op it lowers to, even with every input replicated: the
 program fails to compile ("'tf.XlaDynamicUpdateSlice' op does not implement layout
-propagation", then the same for ``tf.StatelessMultinomial``). Two changes, each registered:
+propagation", then the same for ``tf.StatelessMultinomial``). The changes, each registered:
 
-* ``slice_update_as_select`` (during a decoding call, on the calling thread): Keras 3's
-  TensorFlow ``slice_update`` (``dynamic_update_slice``, which lowers to
-  ``XlaDynamicUpdateSlice``) is written as a select between the input and the update padded
-  to the input's shape. Both are element-wise or padding ops that DTensor lays out like the
-  input, so a key/value cache keeps the layout DTensor gives it (split over the batch, or
-  over heads) instead of being gathered. Start indices are clamped as XLA clamps them, so the
-  values are the same bits.
+* ``slice_update_as_select`` (while a decoding program is traced, on the calling thread; the
+  change a step's trace makes too, ``tofu_tf.tf.compat.keras_ops``): Keras 3's TensorFlow
+  ``slice_update`` (``dynamic_update_slice``, which lowers to ``XlaDynamicUpdateSlice``) is
+  written as a select between the input and the update padded to its shape, with XLA's
+  clamped starts, which DTensor lays out like the input, so a key/value cache keeps the layout
+  DTensor gives it (split over the batch, or over heads); the values are the same bits. ``roll`` likewise (``roll_as_slices``).
 * ``dtensor_replicated_ops`` (process-wide): ops listed in ``REPLICATED_OPS`` are enrolled in
   DTensor's default replicated expansion (its ``DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_<OP>``
   switch, read at each compile): DTensor gathers their inputs and runs the op whole on every
@@ -29,17 +28,13 @@ And one to keras-hub's class, so a model no step prepared is still decoded on th
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-from typing import Callable, Iterator
-
-import tensorflow as tf
+from typing import Callable
 
 from tofu_tf.tf.compat import patching
 from tofu_tf.tf.compat.registry import change
 
-SELECT_CHANGE = change("slice_update_as_select")
 REPLICATED_CHANGE = change("dtensor_replicated_ops")
 
 # DTensor's switch, one per op: its MLIR name, upper-cased (tensorflow/dtensor/cc/dtensor_utils.cc).
@@ -66,45 +61,6 @@ def enroll_replicated_ops(op_names=REPLICATED_OPS) -> tuple[str, ...]:
             os.environ[switch] = "1"
             enrolled.append(name)
     return tuple(enrolled)
-
-
-def slice_update_as_select(inputs, start_indices, updates):
-    """``keras.ops.slice_update(inputs, start_indices, updates)`` without ``XlaDynamicUpdateSlice``:
-    ``updates`` padded to ``inputs``' shape at the start indices, selected where it lands. The
-    starts are clamped into ``[0, size - update size]`` per dimension, as XLA's
-    ``DynamicUpdateSlice`` clamps them."""
-    inputs = tf.convert_to_tensor(inputs)
-    updates = tf.cast(tf.convert_to_tensor(updates), inputs.dtype)
-    if isinstance(start_indices, (list, tuple)):
-        starts = tf.stack([tf.cast(tf.convert_to_tensor(start), tf.int32) for start in start_indices])
-    else:
-        starts = tf.cast(tf.convert_to_tensor(start_indices), tf.int32)
-    size = tf.shape(inputs, out_type=tf.int32)
-    update_size = tf.shape(updates, out_type=tf.int32)
-    starts = tf.clip_by_value(starts, 0, size - update_size)
-    paddings = tf.stack([starts, size - starts - update_size], axis=1)
-    landed = tf.pad(tf.ones(update_size, tf.int8), paddings) > 0
-    return tf.where(landed, tf.pad(updates, paddings), inputs)
-
-
-def _keras3_slice_update():
-    from keras.src.backend.tensorflow import core
-    return core, "slice_update"
-
-
-_SLICE_UPDATE = patching.ThreadScopedPatch(SELECT_CHANGE, _keras3_slice_update)
-
-
-@contextlib.contextmanager
-def slice_updates_as_selects() -> Iterator[None]:
-    """While active, Keras 3's ``slice_update`` traced on this thread is
-    ``slice_update_as_select``; other threads trace Keras' own."""
-    def select(original, inputs, start_indices, updates):
-        del original
-        return slice_update_as_select(inputs, start_indices, updates)
-
-    with _SLICE_UPDATE.active(select):
-        yield
 
 
 def _keras_hub_causal_lm():

@@ -31,6 +31,7 @@ class Scope(enum.Enum):
     CAPTURE = "during capture"           # while a step is traced for planning, then restored
     CREATION = "during variable creation"  # while one variable is made, on the calling thread only
     CALL = "during a step call"          # while a step program is called, on the calling thread only
+    TRACE = "while a step is traced"     # while the function passed to strategy.run is traced, its graph/thread only
     PROCESS = "process-wide"             # every model in the process, while a TofuStrategy is alive
     READ = "read only"                   # a private attribute read, nothing changed
 
@@ -172,6 +173,16 @@ CHANGES: tuple[Change, ...] = (
             "DTensor program (one mesh) cannot; the step runs eagerly from the host, one stage's ops at a time",
         packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.strategies.pipeline_runner"),
     Change(
+        name="eager_model_calls",
+        replaces="tf-keras and Keras 3 Model.__call__ (on the class): a TofuStrategy's model called eagerly outside "
+                 "strategy.run with values is planned (first call), its inputs laid out on the mesh, its outputs "
+                 "returned on the host with gradients back to the mesh",
+        targets=("tf_keras:Model.__call__", "keras:Model.__call__"),
+        scope=Scope.PROCESS, undone="when no TofuStrategy is alive any more",
+        why="an eager training loop (GradientTape, no tf.function) computed on host copies of deferred weights: "
+            "No gradients provided for any variable",
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.strategies.eager_calls"),
+    Change(
         name="savedmodel_from_copy",
         replaces="the model's _trackable_children (SavedModel only), save and export",
         targets=("tf_keras:Model._trackable_children", "tf_keras:Model.save", "tf_keras:Model.export",
@@ -304,14 +315,36 @@ CHANGES: tuple[Change, ...] = (
             "which share the host's cores, that was the largest part of a first step",
         packages=("tensorflow",), site="tofu_tf.tf.compat.calls"),
     Change(
+        name="captured_tensors_on_mesh",
+        replaces="the capture method of the FuncGraph being traced (on that instance): an eager tensor it would "
+                 "take as a program input is captured as a replicated copy on the mesh",
+        targets=("tensorflow.python.framework.func_graph:FuncGraph.capture",
+                 "tensorflow.python.framework.ops:EagerTensor"),
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on error",
+        why="a layer's own eager tensor (Swin's relative-position index) became a regular input of a program on "
+            "the mesh, which DTensor refuses",
+        packages=("tensorflow",), site="tofu_tf.tf.mesh_captures"),
+    Change(
         name="slice_update_as_select",
-        replaces="Keras 3 TensorFlow backend core.slice_update (the module function), while a decoding "
-                 "program (keras-hub generate) is traced: the update padded to the input's shape and selected",
+        replaces="Keras 3's TensorFlow backend slice_update (the module function), written as "
+                 "a select of the update padded to the input's shape at XLA's clamped starts, on the tracing "
+                 "thread (a step's trace, "
+                 "and a keras-hub decoding program's: tofu_tf.strategies.generation)",
         targets=("keras.src.backend.tensorflow.core:slice_update",),
-        scope=Scope.CALL, undone="on return of the call, also on error; other threads trace Keras' own",
-        why="slice_update lowers to XlaDynamicUpdateSlice, which DTensor cannot lay out: a key/value cache "
-            "update in keras-hub's decoding loop failed to compile",
-        packages=("keras",), site="tofu_tf.tf.compat.decoding"),
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
+                                  "error; other threads see the original",
+        why="DTensor has no layout propagation for XlaDynamicUpdateSlice and it has no CPU kernel to fold it "
+            "(Swin's shifted-window mask, keras-hub's key/value cache in generate)",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
+    Change(
+        name="roll_as_slices",
+        replaces="Keras 3's TensorFlow backend roll (the module function), written as concatenated slices for "
+                 "static shifts, on the tracing thread",
+        targets=("keras.src.backend.tensorflow.numpy:roll",),
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
+                                  "error; other threads see the original",
+        why="DTensor has no layout propagation for Roll (Swin's shifted windows)",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
     # -- process-wide ---------------------------------------------------------------------------
     Change(
         name="dtensor_all_reduces_uncombined",
@@ -341,6 +374,26 @@ CHANGES: tuple[Change, ...] = (
         why="tf-keras' summary() divides by the weights' per-device size, 0 while every weight waits "
             "for its layout (ZeroDivisionError); the replacement changes only a TofuStrategy's unplanned models",
         packages=("tf-keras",), site="tofu_tf.tf.compat.process"),
+    Change(
+        name="summaries_gathered",
+        replaces="TensorBoard's summary functions scalar, histogram, image, audio and text (tensorboard.summary.v2, "
+                 "which tf.summary's call) and tf.summary.write (tf.summary, tf.compat.v2.summary): a value on the "
+                 "mesh, given eagerly, is assembled on the host first",
+        targets=("tensorboard.summary.v2:scalar", "tensorboard.summary.v2:histogram", "tensorboard.summary.v2:image",
+                 "tensorboard.summary.v2:audio", "tensorboard.summary.v2:text", "tensorflow._api.v2.summary:write",
+                 "tensorflow._api.v2.compat.v2.summary:write"),
+        scope=Scope.PROCESS, undone="when no TofuStrategy is alive any more",
+        why="a summary computes eagerly on its value with regular tensors (a histogram's bucket edges), and "
+            "DTensor refuses a weight on the mesh beside them: TensorBoard(histogram_freq=1) stopped fit",
+        packages=("tensorflow", "tensorboard"), site="tofu_tf.tf.compat.summaries"),
+    Change(
+        name="keras3_numpy_gathered",
+        replaces="Keras 3's keras.src.backend.convert_to_numpy (the module function, TensorFlow backend): a tensor "
+                 "on the mesh is assembled on the host first",
+        targets=("keras.src.backend:convert_to_numpy",),
+        scope=Scope.PROCESS, undone="when no TofuStrategy is alive any more",
+        why="numpy cannot copy a split DTensor off the mesh: Keras 3's TensorBoard(write_images=True) stopped fit",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.summaries"),
     Change(
         name="generate_before_plan",
         replaces="keras-hub CausalLM.make_generate_function (on the class): a model made in a TofuStrategy's scope "

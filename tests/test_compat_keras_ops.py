@@ -1,0 +1,81 @@
+"""Keras 3 ops rewritten with ops DTensor can lay out while a step is traced
+(tofu_tf.tf.compat.keras_ops): same values as Keras' own, on the tracing thread only."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla
+from tensorflow.experimental import dtensor
+
+from tofu_tf.tf.compat import keras_ops
+
+keras = pytest.importorskip("keras")
+
+
+@pytest.mark.parametrize("start", [(0, 0), (2, 3), (5, 6), (-2, 9)])   # the last two are clamped as XLA clamps
+def test_a_slice_update_writes_what_xla_writes(start):
+    inputs = tf.reshape(tf.range(48, dtype=tf.float32), (6, 8))
+    updates = -tf.ones((3, 4))
+    want = xla.dynamic_update_slice(inputs, updates, tf.constant(start))
+    np.testing.assert_array_equal(keras_ops.slice_update_as_select(inputs, list(start), updates), want)
+
+
+@pytest.mark.parametrize("shift,axis", [(1, 1), (-3, 2), ((2, -1), (1, 2)), (7, 0), (0, 1)])
+def test_a_roll_by_slices_is_tf_roll(shift, axis):
+    x = tf.reshape(tf.range(2 * 5 * 4, dtype=tf.float32), (2, 5, 4))
+    got = keras_ops.roll_as_slices(tf.roll, x, shift, axis)
+    np.testing.assert_array_equal(got, tf.roll(x, shift=shift, axis=axis))
+
+
+def _graph_ops(fn):
+    return {op.type for op in tf.function(fn).get_concrete_function(tf.TensorSpec((8, 8, 8, 2))).graph.get_operations()}
+
+
+def _shifted_mask(x):
+    mask = keras.ops.slice_update(keras.ops.zeros((1, 8, 8, 1), "int32"), [0, 4, 4, 0],
+                                  keras.ops.ones((1, 4, 4, 1), "int32"))
+    return keras.ops.roll(x, shift=(-2, -2), axis=(1, 2)) * keras.ops.cast(mask, x.dtype)
+
+
+def test_only_the_thread_inside_builds_the_rewritten_ops():
+    assert {"Roll", "XlaDynamicUpdateSlice"} <= _graph_ops(_shifted_mask)
+    with keras_ops.dtensor_expandable_ops():
+        inside = _graph_ops(_shifted_mask)
+    assert not {"Roll", "XlaDynamicUpdateSlice"} & inside
+    assert {"Roll", "XlaDynamicUpdateSlice"} <= _graph_ops(_shifted_mask)      # Keras' own again
+
+
+def test_the_rewritten_ops_run_on_a_batch_split_mesh_as_on_one_device():
+    mesh = dtensor.create_mesh([("batch", 8)], devices=[f"CPU:{i}" for i in range(8)])
+    host = tf.random.stateless_normal((8, 8, 8, 2), seed=(1, 2))
+    x = dtensor.relayout(dtensor.copy_to_mesh(host, dtensor.Layout.replicated(mesh, rank=4)),
+                         dtensor.Layout.batch_sharded(mesh, "batch", rank=4))
+    with pytest.raises(tf.errors.UnknownError, match="does not implement layout propagation"):
+        tf.function(_shifted_mask)(x)
+    with keras_ops.dtensor_expandable_ops():
+        step = tf.function(_shifted_mask)
+        got = step(x)
+    got = np.concatenate([shard.numpy() for shard in dtensor.unpack(got)])
+    np.testing.assert_array_equal(got, _shifted_mask(host))
+
+
+@pytest.mark.parametrize("spec", [["batch", "unsharded"], ["unsharded", "unsharded"]])
+def test_a_slice_update_at_a_tensor_start_writes_on_the_mesh(spec):
+    """keras-hub's decoding loop writes its next token at a start that is a tensor. The first
+    rewrite (TensorStridedSliceUpdate) left the input unchanged under DTensor there, silently."""
+    mesh = dtensor.create_mesh([("batch", 2), ("model", 4)], devices=[f"CPU:{i}" for i in range(8)])
+    layout = dtensor.Layout(spec, mesh)
+    prompt = dtensor.relayout(dtensor.copy_to_mesh(tf.zeros((4, 12), tf.int32), dtensor.Layout.replicated(mesh, 2)),
+                              layout)
+    token = dtensor.relayout(dtensor.copy_to_mesh(tf.constant([[1], [2], [3], [4]]), dtensor.Layout.replicated(mesh, 2)),
+                             layout)
+
+    @tf.function
+    def write(prompt, token, index):
+        return keras_ops.slice_update_as_select(prompt, [0, index], token)
+
+    out = write(prompt, token, dtensor.copy_to_mesh(tf.constant(5), dtensor.Layout.replicated(mesh, 0)))
+    from tofu_tf.tf.variables import gather_to_host
+    value = gather_to_host(out, dtensor.fetch_layout(out))
+    assert value[:, 5].tolist() == [1, 2, 3, 4] and value.sum() == 10
+    assert dtensor.fetch_layout(out).sharding_specs == spec

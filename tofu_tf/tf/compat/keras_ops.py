@@ -1,0 +1,111 @@
+"""Keras 3 ops whose TensorFlow kernel DTensor cannot lay out, written with ops it can, while a
+step on the mesh is traced.
+
+* ``slice_update_as_select``: Keras 3's TensorFlow backend writes ``keras.ops.slice_update`` as
+  XLA's ``dynamic_update_slice`` (the op ``XlaDynamicUpdateSlice``). DTensor has no layout
+  propagation for it, not even on replicated inputs, and it has no CPU kernel, so neither
+  DTensor's nor grappler's constant folding removes it where its inputs are constants:
+  keras-hub's Swin Transformer builds its shifted windows' attention mask so, from zeros and
+  ones, in every step, and the step failed (``'tf.XlaDynamicUpdateSlice' op does not implement
+  layout propagation``); keras-hub's decoding loop updates its key/value cache and its prompt
+  so, at a start that is a tensor. The replacement pads the update to the input's shape at the
+  start indices and selects it where it lands (``Pad`` and ``SelectV2``, which DTensor lays out
+  like the input, so a cache split over the batch or the heads stays split), with the starts
+  clamped into the input as XLA clamps them: the value is the same for every start.
+  (``TensorStridedSliceUpdate`` was tried first: under DTensor it silently left the input
+  unchanged when the start was a tensor, replicated or split, on TF 2.21.)
+* ``roll_as_slices``: ``keras.ops.roll`` is ``tf.roll`` (the op ``Roll``), for which DTensor has
+  no layout propagation either (Swin's shifted windows roll the activations in every block). A
+  roll by a static shift along a dim of static size is the concatenation of two slices of that
+  dim, which DTensor lays out as it lays out any slice (the batch split stays where it is); the
+  values are the same. A shift or axis given as a tensor, or a roll of the flattened tensor
+  (``axis=None``), keeps ``tf.roll``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import tensorflow as tf
+
+from tofu_tf.tf.compat import patching
+from tofu_tf.tf.compat.registry import change
+
+
+def _keras3_slice_update():
+    import sys
+    if "keras" not in sys.modules:
+        return None
+    from keras.src.backend.tensorflow import core
+    return core, "slice_update"
+
+
+def slice_update_as_select(inputs, start_indices, updates):
+    """``inputs`` with ``updates`` written at ``start_indices``, as XLA's
+    ``dynamic_update_slice`` writes it: each start clamped to ``[0, input dim - update dim]``;
+    the update padded to the input's shape there and selected where it lands."""
+    inputs = tf.convert_to_tensor(inputs)
+    updates = tf.cast(tf.convert_to_tensor(updates), inputs.dtype)
+    if isinstance(start_indices, (list, tuple)):
+        starts = tf.stack([tf.cast(tf.convert_to_tensor(start), tf.int32) for start in start_indices])
+    else:
+        starts = tf.cast(tf.convert_to_tensor(start_indices), tf.int32)
+    size = tf.shape(inputs, out_type=tf.int32)
+    update_size = tf.shape(updates, out_type=tf.int32)
+    starts = tf.clip_by_value(starts, 0, tf.maximum(size - update_size, 0))
+    paddings = tf.stack([starts, size - starts - update_size], axis=1)
+    landed = tf.pad(tf.ones(update_size, tf.int8), paddings) > 0
+    return tf.where(landed, tf.pad(updates, paddings), inputs)
+
+
+def _keras3_roll():
+    import sys
+    if "keras" not in sys.modules:
+        return None
+    from keras.src.backend.tensorflow import numpy as keras_numpy
+    return keras_numpy, "roll"
+
+
+def _static_ints(value):
+    """``value`` as a tuple of Python ints, or None when it holds a tensor."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    if not all(isinstance(item, int) or (hasattr(item, "__index__") and not tf.is_tensor(item)) for item in items):
+        return None
+    return tuple(int(item) for item in items)
+
+
+def roll_as_slices(original, x, shift, axis=None):
+    """``tf.roll(x, shift, axis)`` as concatenated slices where shift, axis and the rolled dims'
+    sizes are static; ``original(x, shift, axis)`` otherwise."""
+    shifts, axes = _static_ints(shift), None if axis is None else _static_ints(axis)
+    x = tf.convert_to_tensor(x)
+    if shifts is None or axes is None or x.shape.rank is None:
+        return original(x, shift, axis=axis)
+    if len(shifts) != len(axes) or any(x.shape[a] is None for a in axes):
+        return original(x, shift, axis=axis)
+    for step, dim in zip(shifts, axes):
+        size = x.shape[dim]
+        step %= size
+        if step:
+            head = [slice(None)] * x.shape.rank
+            tail = list(head)
+            head[dim], tail[dim] = slice(size - step, size), slice(0, size - step)
+            x = tf.concat([x[tuple(head)], x[tuple(tail)]], axis=dim)
+    return x
+
+
+_ROLL = patching.ThreadScopedPatch(change("roll_as_slices"), _keras3_roll)
+_SLICE_UPDATE = patching.ThreadScopedPatch(change("slice_update_as_select"), _keras3_slice_update)
+
+
+@contextlib.contextmanager
+def dtensor_expandable_ops() -> Iterator[None]:
+    """While active, this thread's Keras 3 ``ops.slice_update`` and ``ops.roll`` calls build ops
+    DTensor can lay out (the module docstring says why). Without Keras 3 imported, nothing changes."""
+    if _keras3_slice_update() is None:
+        yield
+        return
+    with _SLICE_UPDATE.active(lambda original, inputs, start_indices, updates:
+                              slice_update_as_select(inputs, start_indices, updates)), _ROLL.active(roll_as_slices):
+        yield
