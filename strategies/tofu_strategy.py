@@ -68,6 +68,7 @@ from tofu_tf.tf.compat import calls as compat_calls
 from tofu_tf.tf.compat import layers as compat_layers
 from tofu_tf.tf.compat import optimizers as compat_optimizers
 from tofu_tf.tf.compat import process as compat_process
+from tofu_tf.tf.compat import quantized as compat_quantized
 
 
 class PlanningError(TofuError, RuntimeError):
@@ -485,7 +486,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 f"variable replicated, and {model.name} would train unpartitioned: plan {model.name} before that "
                 "first run (strategy.plan_model(model, batch_size=...)), or train it under a TofuStrategy of its own.")
         self._prepared.add(model)
-        self._record(*keras_hooks.prepare_for_dtensor(model))
+        self._record(*keras_hooks.prepare_for_dtensor(model),
+                     compat_quantized.install(model, self._container_strategy()))
         if self._options.pipeline is not None:
             if pipeline_runner.install(model, lambda: self._pipeline):
                 self._record(compat.Applied(compat.change("pipeline_step_functions"), model.name,
@@ -627,6 +629,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         return placed
 
     def _layout_of(self, variable) -> dtensor.Layout:
+        quantized = compat_quantized.new_variable_layout(keras_path(variable), variable.shape)
+        if quantized is not None:       # an int8 kernel or its scale, made by model.quantize
+            return dtensor.Layout(list(quantized), self._lowered.mesh)
         path = self._plan_names.get(id(variable)) or self._twin_name(keras_path(variable))
         path = _plan_path(path, self._plan, variable.shape)
         self._ledger.took(variable, path, variable.shape)
@@ -750,7 +755,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         kwargs = tf.nest.map_structure(self._to_batch_layout, kwargs)
         if _captures_off_mesh(fn):
             return self._run_per_device(fn, args, kwargs)
-        with self._container_strategy().scope(), _GlobalReplicaContext(self._container_strategy()):
+        with self._container_strategy().scope(), _GlobalReplicaContext(self._container_strategy()), \
+                compat_quantized.exact_int8_matmuls():
             result = fn(*args, **kwargs)
         self._check_entries_taken(model)
         return tf.nest.map_structure(_as_distributed_value, result)

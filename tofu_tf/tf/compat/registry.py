@@ -319,6 +319,24 @@ CHANGES: tuple[Change, ...] = (
         why="a deferred variable needs its shape and dtype without running the initializer (a full-size value)",
         packages=("keras",), site="tofu_tf.tf.keras_adapter"),
     Change(
+        name="int8_matmul_exact",
+        replaces="Keras 3's TensorFlow-backend numpy.matmul and numpy.einsum (module functions), for int8 x int8 "
+                 "operands only: computed in float32 (contraction <= 1024) or float64 and cast to int32",
+        targets=("keras.src.backend.tensorflow.numpy:matmul", "keras.src.backend.tensorflow.numpy:einsum"),
+        scope=Scope.CALL, undone="when the last strategy.run in the process returns; other threads see the original",
+        why="Keras multiplies int8 by int8 with tf.matmul(output_type=int32), a BatchMatMulV3, which DTensor has "
+            "no layout propagation for: a quantized model's predict failed; the float sums are exact integers",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.quantized"),
+    Change(
+        name="quantize_in_scope",
+        replaces="the model's quantize (instance attribute), and each quantizable layer's quantize while it runs",
+        targets=("keras.src.models.model:Model.quantize", "keras.src.layers.layer:Layer.quantize"),
+        scope=Scope.MODEL, undone=_LIFETIME,
+        why="quantize made its int8 kernels and scales as plain host variables beside the mesh's (out of the "
+            "scope) or replicated (in it): they are made through the strategy, each int8 kernel in its float "
+            "kernel's layout and its scale split with it; modes other than int8 are refused",
+        packages=("keras",), site="tofu_tf.tf.compat.quantized"),
+    Change(
         name="restored_function_read",
         replaces="nothing: reads the concrete functions of a function tf.saved_model.load restored "
                  "(RestoredFunction.concrete_functions: their captured variables and ops)",
