@@ -148,3 +148,18 @@ def refuse_stateful_draws(graph: ir.Graph, model) -> ir.Graph:
         "(e.g. tf.stack([tf.cast(optimizer.iterations, tf.int32), salt])), or in Keras 3 keras.random.normal(shape, "
         "seed=self.seed_generator) with a keras.random.SeedGenerator. TofuStrategy draws those whole, as one "
         "device draws them.")
+
+
+def has_own_call(model) -> bool:
+    """Whether ``model``'s class (or a base outside Keras) defines ``call``."""
+    call = getattr(type(model), "call", None)
+    return call is not None and not str(getattr(call, "__module__", "")).startswith(_KERAS_MODULES)
+
+
+def refuse_plan_without_data(model) -> None:
+    """``strategy.plan_model`` of a model with no ``call`` that writes its own ``train_step``: only
+    that step says what it trains, and it is traced on a batch, which was not given."""
+    raise keras_hooks.keras_adapter.UnsupportedModelError(
+        f"{model.name} has no call and writes its own train_step, which TofuStrategy plans by tracing it on a "
+        "batch: pass one to strategy.plan_model(model, batch_size=..., features=<a batch as fit passes it to "
+        "train_step>), or let the first fit plan it.")

@@ -202,10 +202,19 @@ class TofuStrategy(distribute_lib.Strategy):
         """Plan ``model`` now (instead of at its first step) and materialize its variables.
 
         ``features``: a batch of inputs, or its ``tf.TensorSpec`` structure, for a model
-        whose declared inputs leave a dimension open (``keras.Input(shape=(None,))``).
+        whose declared inputs leave a dimension open (``keras.Input(shape=(None,))``). For a
+        model that writes its own ``train_step`` (a GAN), a batch as ``fit`` passes it to that
+        step, which is planned (``tofu_tf.strategies.custom_steps``); required when it has no ``call``.
         """
         if features is not None:
             features = tf.nest.map_structure(_spec_of, features)
+        if custom_steps.overrides_train_step(model) and (features is not None or not custom_steps.has_own_call(model)):
+            if features is None:
+                custom_steps.refuse_plan_without_data(model)
+            if self.plan is None:        # planned from its own train_step, traced on ``features``
+                self.extended._prepare(model)  # pylint: disable=protected-access
+                self.extended._plan_from_specs(model, keras_hooks.split_step_data((features,)))  # pylint: disable=protected-access
+            return self.plan
         self.extended.plan_for(model, batch_size=batch_size, loss=loss, optimizer=optimizer, labels=None,
                                features=features)
         return self.plan

@@ -343,3 +343,14 @@ def test_a_pipelined_strategy_refuses_a_model_that_writes_its_own_train_step():
         gan = _gan("keras3")
     with pytest.raises(pipelined.PipelineError, match=r"own train_step.*drop pipeline="):
         gan.fit(_images(), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+
+
+def test_plan_model_plans_a_gan_from_its_train_step_on_a_batch_and_refuses_one_without_it():
+    strategy = TofuStrategy(8, mesh_shape={"model": 8}, memory_budget_bytes=100_000)
+    with strategy.scope():
+        gan = _gan("keras3", width=256)
+    with pytest.raises(TypeError, match=r"no call and writes its own train_step.*features="):
+        strategy.plan_model(gan, batch_size=BATCH)
+    plan = strategy.plan_model(gan, batch_size=BATCH, features=_images(BATCH))
+    assert plan is not None and any("model" in spec for spec in plan.variable_layouts.values())
+    gan.fit(_images(), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
