@@ -778,7 +778,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
     @contextlib.contextmanager
     def _step_rewrites(self):
         """While a step runs, on this thread: what DTensor cannot run as Keras or a custom step writes
-        it, written as it can (int8 products, batch concatenations, Keras 3 random draws; each a
+        it, written as it can (int8 products, batch concatenations, stateless random draws; each a
         registered change in ``tofu_tf.tf.compat``)."""
         with compat_quantized.exact_int8_matmuls(), compat_batch_concat.batch_concats_gathered(self.mesh), \
                 compat_random_draws.draws_replicated(self.mesh):
