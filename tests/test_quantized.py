@@ -121,6 +121,31 @@ def test_quantize_modes_the_mesh_cannot_run_are_refused_before_any_layer_changes
     assert all(w.dtype == "float32" for w in model.weights)
 
 
+def test_a_model_quantized_outside_the_scope_before_the_strategy_saw_it_is_refused_naming_the_scope():
+    """Quantized out of the scope before any fit, its int8 kernels were plain host variables, run
+    unsplit beside the mesh's: silently not what the plan says."""
+    x, y = _data()
+    strategy = TofuStrategy(8, plan=h.HandPlan({"batch": 2, "model": 4}, LAYOUTS, {"x": ("batch",)}))
+    with strategy.scope():
+        model = _build()
+    model.quantize("int8")
+    with pytest.raises(quantized.QuantizationModeError, match=r"quantized outside strategy.scope\(\).*d1/kernel"):
+        model.predict(x, batch_size=BATCH, verbose=0)
+
+
+def test_a_model_quantized_in_the_scope_before_its_plan_takes_the_plans_layouts():
+    x, _ = _data()
+    strategy = TofuStrategy(8, plan=h.HandPlan({"batch": 2, "model": 4}, LAYOUTS, {"x": ("batch",)}))
+    with strategy.scope():
+        model = _build()
+        model.quantize("int8")
+    reference = _build()
+    reference.quantize("int8")
+    np.testing.assert_array_equal(model.predict(x, batch_size=BATCH, verbose=0),
+                                  reference.predict(x, batch_size=BATCH, verbose=0))
+    assert _specs(model.get_layer("d1").kernel) == ("unsharded", "model")
+
+
 @pytest.mark.parametrize("contraction", [64, 1024, 4096])
 def test_int8_products_are_the_exact_int32_sums_one_device_computes(contraction):
     """Extreme int8 values (-128, 127) at contractions past float32's exact range (1024 terms of 2^14)."""

@@ -50,7 +50,7 @@ _FLOAT32_EXACT_CONTRACTION = 1 << 10
 
 
 class QuantizationModeError(TofuError, NotImplementedError):
-    """A quantization mode TofuStrategy does not run on its mesh."""
+    """A quantization TofuStrategy does not run on its mesh (a mode, or weights quantized off it)."""
 
 
 def _keras_numpy(name: str):
@@ -186,6 +186,12 @@ def _hinting_quantize(layer):
     return quantize
 
 
+def _quantized_weight(weight) -> bool:
+    """An int8 kernel or a scale ``quantize`` made (by its Keras name)."""
+    name = getattr(weight, "name", "")
+    return str(getattr(weight, "dtype", "")) == "int8" or name.endswith("_scale")
+
+
 def install(model, strategy) -> Applied | None:
     """Make ``model.quantize`` run under ``strategy``: its new variables made through the strategy
     with the layouts ``new_variable_layout`` gives, and modes other than int8 refused before any
@@ -193,6 +199,13 @@ def install(model, strategy) -> Applied | None:
     if getattr(model, "_tofu_quantize", False) or getattr(type(model), "quantize", None) is None \
             or any(base.__module__.startswith("tf_keras") for base in type(model).__mro__):
         return None
+    off_mesh = [weight.path for weight in model.weights
+                if _quantized_weight(weight) and not strategy.extended.variable_created_in_scope(weight.value)]
+    if off_mesh:
+        raise QuantizationModeError(
+            f"{model.name} was quantized outside strategy.scope() before TofuStrategy first saw it: its quantized "
+            f"weights ({', '.join(off_mesh[:3])}) are host variables the plan cannot lay out. Quantize it inside "
+            "strategy.scope(), or after its first fit (or strategy.plan_model), when TofuStrategy makes them.")
     original = model.quantize
 
     def quantize(mode=None, *args, **kwargs):
