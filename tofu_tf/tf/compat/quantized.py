@@ -186,12 +186,6 @@ def _hinting_quantize(layer):
     return quantize
 
 
-def _quantized_weight(weight) -> bool:
-    """An int8 kernel or a scale ``quantize`` made (by its Keras name)."""
-    name = getattr(weight, "name", "")
-    return str(getattr(weight, "dtype", "")) == "int8" or name.endswith("_scale")
-
-
 def install(model, strategy) -> Applied | None:
     """Make ``model.quantize`` run under ``strategy``: its new variables made through the strategy
     with the layouts ``new_variable_layout`` gives, and modes other than int8 refused before any
@@ -199,8 +193,10 @@ def install(model, strategy) -> Applied | None:
     if getattr(model, "_tofu_quantize", False) or getattr(type(model), "quantize", None) is None \
             or any(base.__module__.startswith("tf_keras") for base in type(model).__mro__):
         return None
-    off_mesh = [weight.path for weight in model.weights
-                if _quantized_weight(weight) and not strategy.extended.variable_created_in_scope(weight.value)]
+    quantized_layers = [layer for layer in model._flatten_layers()  # pylint: disable=protected-access
+                        if getattr(layer, "quantization_mode", None)]
+    off_mesh = [weight.path for layer in quantized_layers for weight in layer.weights
+                if not strategy.extended.variable_created_in_scope(weight.value)]
     if off_mesh:
         raise QuantizationModeError(
             f"{model.name} was quantized outside strategy.scope() before TofuStrategy first saw it: its quantized "
