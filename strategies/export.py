@@ -44,6 +44,7 @@ containers); a Keras upgrade that moves them changes this file.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
 
@@ -218,8 +219,36 @@ def _compile_like(copy, model) -> None:
         copy.optimizer = None
         copy._delete_tracking("optimizer")  # pylint: disable=protected-access
     elif keras_adapter.optimizer_built(optimizer) and not keras_adapter.optimizer_built(copy.optimizer):
-        _build_optimizer(copy.optimizer, copy.trainable_variables, framework)
+        _build_optimizer(copy.optimizer, _built_for(copy, model, optimizer), framework)
     _build_metrics_like(copy, model)
+
+
+def _built_for(copy, model, optimizer) -> list:
+    """The copy's variables its optimizer is built for: the copy's trainable weights, or, where the
+    model's optimizer was built for weights the model no longer holds (float kernels
+    ``model.quantize`` replaced by int8 ones after training), the list it was built for, each
+    weight the model still holds as the copy's and each replaced one as a host stand-in of its
+    path, shape and dtype. One device's quantized model keeps those references and their slots
+    (Keras 3's ``_trainable_variables``); so does the copy, and its state pairs with the model's."""
+    built_for = list(getattr(optimizer, "_trainable_variables", None) or ())  # pylint: disable=protected-access
+    index = {id(keras_adapter.tf_variable(w)): i for i, w in enumerate(model.weights)}
+    if not built_for or all(id(keras_adapter.tf_variable(v)) in index for v in built_for):
+        return copy.trainable_variables
+    import keras                                   # only Keras 3 models quantize
+    from keras.src import backend
+    variables = []
+    for variable in built_for:
+        position = index.get(id(keras_adapter.tf_variable(variable)))
+        if position is not None:
+            variables.append(copy.weights[position])
+            continue
+        *scopes, name = variable.path.split("/")
+        with contextlib.ExitStack() as stack:          # the replaced weight's path, scope by scope
+            for scope in scopes:
+                stack.enter_context(backend.name_scope(scope))
+            variables.append(keras.Variable(tf.zeros(variable.shape, variable.dtype), dtype=variable.dtype,
+                                            name=name, trainable=True))
+    return variables
 
 
 def _build_optimizer(optimizer, variables, framework: str) -> None:

@@ -27,6 +27,7 @@ class StepInputs:
 
     features: object
     labels: object | None
+    data: object = None          # the step's data as Keras passes it to train_step
 
 
 def find_model(step_fn, *, strict: bool = False):
@@ -126,6 +127,11 @@ def _is_model(obj) -> bool:
     return hasattr(kind, "train_step") and hasattr(kind, "trainable_variables") and callable(getattr(kind, "fit", None))
 
 
+def is_optimizer(obj) -> bool:
+    """Whether ``obj`` is a Keras optimizer (tf-keras, its legacy ones, Keras 3)."""
+    return _is_optimizer(obj)
+
+
 def _is_optimizer(obj) -> bool:
     kind = type(obj)
     return (callable(getattr(kind, "apply_gradients", None)) and callable(getattr(kind, "get_config", None))
@@ -194,7 +200,7 @@ def split_step_data(args) -> StepInputs:
         labels = data[1] if len(data) > 1 else None
     else:
         features, labels = data, None
-    return StepInputs(features=features, labels=labels)
+    return StepInputs(features=features, labels=labels, data=data)
 
 
 def compiled_loss(model):

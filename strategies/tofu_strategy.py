@@ -55,6 +55,7 @@ from tofu_tf.errors import TofuError
 from tofu_tf.strategies import batches as batches_lib
 from tofu_tf.strategies import generation
 from tofu_tf.strategies import eager_calls
+from tofu_tf.strategies import custom_steps
 from tofu_tf.strategies import keras_hooks
 from tofu_tf.strategies import layout_maps
 from tofu_tf.strategies import metric_runs
@@ -68,6 +69,7 @@ from tofu_tf.tf import lowering
 from tofu_tf.tf import mesh_captures
 from tofu_tf.tf import variables as variables_lib
 from tofu_tf.tf import compat
+from tofu_tf.tf.compat import batch_concat as compat_batch_concat
 from tofu_tf.tf.compat import calls as compat_calls
 from tofu_tf.tf.compat import decoding as compat_decoding
 from tofu_tf.tf.compat import function_calls as compat_function_calls
@@ -76,6 +78,8 @@ from tofu_tf.tf.compat import layers as compat_layers
 from tofu_tf.tf.compat import optimizers as compat_optimizers
 from tofu_tf.tf.compat import process as compat_process
 from tofu_tf.tf.compat import summaries as compat_summaries
+from tofu_tf.tf.compat import random_draws as compat_random_draws
+from tofu_tf.tf.compat import quantized as compat_quantized
 
 
 class PlanningError(TofuError, RuntimeError):
@@ -206,10 +210,19 @@ class TofuStrategy(distribute_lib.Strategy):
         """Plan ``model`` now (instead of at its first step) and materialize its variables.
 
         ``features``: a batch of inputs, or its ``tf.TensorSpec`` structure, for a model
-        whose declared inputs leave a dimension open (``keras.Input(shape=(None,))``).
+        whose declared inputs leave a dimension open (``keras.Input(shape=(None,))``). For a
+        model that writes its own ``train_step`` (a GAN), a batch as ``fit`` passes it to that
+        step, which is planned (``tofu_tf.strategies.custom_steps``); required when it has no ``call``.
         """
         if features is not None:
             features = tf.nest.map_structure(_spec_of, features)
+        if custom_steps.overrides_train_step(model) and (features is not None or not custom_steps.has_own_call(model)):
+            if features is None:
+                custom_steps.refuse_plan_without_data(model)
+            if self.plan is None:        # planned from its own train_step, traced on ``features``
+                self.extended._prepare(model)  # pylint: disable=protected-access
+                self.extended._plan_from_specs(model, keras_hooks.split_step_data((features,)))  # pylint: disable=protected-access
+            return self.plan
         self.extended.plan_for(model, batch_size=batch_size, loss=loss, optimizer=optimizer, labels=None,
                                features=features)
         return self.plan
@@ -405,8 +418,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         logging.info("TofuStrategy: planning %s for batch %d on %d %s devices", model.name, batch_size,
                      self._devices.count, self._devices.device_type)
         self._prepare(model)
-        if not isinstance(optimizer, str):       # a custom loop's own optimizer
-            self._record(compat_optimizers.relayout_gradients(optimizer))
+        for own in optimizer if isinstance(optimizer, list) else [optimizer]:
+            if not isinstance(own, str):       # a custom loop's own optimizer
+                self._record(compat_optimizers.relayout_gradients(own))
         self._plan_names = keras_adapter.weight_paths(model)
         start = time.perf_counter()
         with self._creating_plain_variables():
@@ -497,7 +511,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 f"variable replicated, and {model.name} would train unpartitioned: plan {model.name} before that "
                 "first run (strategy.plan_model(model, batch_size=...)), or train it under a TofuStrategy of its own.")
         self._prepared.add(model)
-        self._record(*keras_hooks.prepare_for_dtensor(model))
+        self._record(*keras_hooks.prepare_for_dtensor(model),
+                     compat_quantized.install(model, self._container_strategy()),
+                     *custom_steps.prepare(model, self._container_strategy()))
         if self._options.pipeline is not None:
             if pipeline_runner.install(model, lambda: self._pipeline):
                 self._record(compat.Applied(compat.change("pipeline_step_functions"), model.name,
@@ -646,6 +662,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         return placed
 
     def _layout_of(self, variable) -> dtensor.Layout:
+        quantized = compat_quantized.new_variable_layout(keras_path(variable), variable.shape)
+        if quantized is not None:       # an int8 kernel or its scale, made by model.quantize
+            return dtensor.Layout(list(quantized), self._lowered.mesh)
         path = self._plan_names.get(id(variable)) or self._twin_name(keras_path(variable))
         path = _plan_path(path, self._plan, variable.shape)
         self._ledger.took(variable, path, variable.shape)
@@ -804,10 +823,21 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         if _captures_off_mesh(fn):
             return self._run_per_device(fn, args, kwargs)
         with self._container_strategy().scope(), _GlobalReplicaContext(self._container_strategy()), \
-                mesh_captures.on_mesh(self.mesh), compat_keras_ops.dtensor_expandable_ops():
+                self._step_rewrites():
             result = fn(*args, **kwargs)
         self._check_entries_taken(model)
         return tf.nest.map_structure(_as_distributed_value, result)
+
+    @contextlib.contextmanager
+    def _step_rewrites(self):
+        """While a step runs, on this thread: what DTensor cannot run as Keras or a custom step writes
+        it, written as it can (int8 products, batch concatenations, stateless random draws, eager
+        tensors the trace captures, Keras 3's slice_update and roll; each a registered change in
+        ``tofu_tf.tf.compat`` or ``tofu_tf.tf.mesh_captures``)."""
+        with compat_quantized.exact_int8_matmuls(), compat_batch_concat.batch_concats_gathered(self.mesh), \
+                compat_random_draws.draws_replicated(self.mesh), mesh_captures.on_mesh(self.mesh), \
+                compat_keras_ops.dtensor_expandable_ops():
+            yield
 
     def _run_per_device(self, fn, args, kwargs):
         """Run ``fn`` once per device on its shard of the inputs, as MirroredStrategy runs a
@@ -869,7 +899,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 "Keras model is reachable from that function (its closure, its object's attributes or the "
                 "globals it names): call strategy.plan_model(model, batch_size=<global batch size>, "
                 "loss=<the step's loss>, optimizer=<the step's optimizer>) before the first run.")
-        if keras_hooks.runs_keras_step(fn, model) and keras_hooks.compiled_loss(model) is not None:
+        if keras_hooks.runs_keras_step(fn, model) and (keras_hooks.compiled_loss(model) is not None
+                                                       or custom_steps.overrides_train_step(model)):
             self._plan_from_specs(model, keras_hooks.split_step_data(tf.nest.map_structure(_spec_of, args)))
             return
         optimizer = keras_hooks.find_optimizer(fn) or getattr(model, "optimizer", None)
@@ -889,6 +920,21 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 return python_step(*step_args, **step_kwargs)
         specs = tf.nest.map_structure(_spec_of, (tuple(args), dict(kwargs)))
         self.plan_step_function(in_replica, specs, model=model, optimizer=optimizer)
+
+    def _plan_train_step(self, model, data) -> None:
+        """A model whose class writes its own ``train_step`` (a GAN, a VAE): planned from that step,
+        with every optimizer the model holds (``tofu_tf.strategies.custom_steps``)."""
+        optimizers = custom_steps.optimizers_of(model)
+        strategy = self._container_strategy()
+
+        def in_replica(step_data):
+            with _GlobalReplicaContext(strategy):
+                return model.train_step(step_data)
+        from tofu_tf.tf.capture import capture_step_function
+        specs = (tf.nest.map_structure(_spec_of, data),)
+        with strategy.scope():      # as under strategy.run: capture's optimizers record this strategy
+            self._plan_captured(model, optimizers, _batch_size_of(specs), lambda: custom_steps.refuse_stateful_draws(
+                capture_step_function(in_replica, specs, model=model, optimizer=optimizers), model))
 
     def _adopt_data_parallel(self) -> None:
         """A first ``run`` whose function trains nothing a plan could split: it reaches no Keras
@@ -932,6 +978,11 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._prepare(model)
 
     def _plan_from_specs(self, model, step: keras_hooks.StepInputs) -> None:
+        if custom_steps.overrides_train_step(model):
+            if self._options.pipeline is not None:
+                custom_steps.refuse_pipeline(model)
+            self._plan_train_step(model, step.data)
+            return
         labels = step.labels if isinstance(step.labels, tf.TensorSpec) else None
         self.plan_for(model, batch_size=_batch_size_of(step.features), loss=None, optimizer=None,
                       labels=labels, features=step.features)

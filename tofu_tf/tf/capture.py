@@ -142,7 +142,10 @@ def capture_step_function(step_fn, arg_specs, *, model, optimizer, trace_each_up
     Keras 3's ``apply``) is redirected, for the trace only, to a fresh optimizer of the
     same configuration, so the user's optimizer is never built with capture's handles. The
     gradients handed to it name the weights they update. ``model`` is the Keras model
-    whose weights the function trains; the user's optimizer is left untouched.
+    whose weights the function trains; the user's optimizer is left untouched. ``optimizer``
+    may be a list: a step that trains parts of the model with optimizers of their own (a GAN's
+    ``train_step``: the discriminator's and the generator's) has each redirected to its own copy,
+    and the IR holds every update.
     """
     framework = keras_adapter.framework_of(model)
     batch_size = _leading_dim(arg_specs)
@@ -244,12 +247,16 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
 
 
 def _trace_step_function(step_fn, arg_specs, model, framework, optimizer, *, stamp_updates) -> _TraceResult:
-    """Trace a user's step function with its optimizer's updates redirected to a fresh copy."""
+    """Trace a user's step function with each of its optimizers' updates redirected to a fresh copy.
+
+    ``optimizer`` is one optimizer or a sequence of them: a step may train parts of the model with
+    optimizers of their own (a GAN's discriminator and generator), each applying its gradients."""
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     trainable = keras_adapter.trainable_variables(model)
     weight_names = keras_adapter.weight_paths(model)
     gradient_box: dict[tuple[int, str], str] = {}
 
-    def step_with(opt):
+    def update_for(opt):
         scaling = keras_adapter.loss_scaling(framework, opt)
         # The loop unscales its gradients itself (as a LossScaleOptimizer's users do); what
         # its update does to each weight is the wrapped optimizer's.
@@ -265,26 +272,32 @@ def _trace_step_function(step_fn, arg_specs, model, framework, optimizer, *, sta
                     gradient_box[_tensor_key(grad)] = path
                 dense.append((grad, var))
             return keras_adapter.apply_gradients_for_capture(update, dense)
+        return update, apply
 
+    def step_with(updates_and_applies):
         def traced_step(*args):
             with tf.variable_creator_scope(_uninitialized_creator), _tapes_recording(), \
-                    keras_adapter.redirected_updates(optimizer, apply):
+                    contextlib.ExitStack() as redirected:
+                for user_optimizer, (_, apply) in zip(optimizers, updates_and_applies):
+                    redirected.enter_context(keras_adapter.redirected_updates(user_optimizer, apply))
                 return step_fn(*args)
-        return traced_step, update
+        return traced_step
 
     for autograph in (False, True):
         gradient_box.clear()
-        traced_step, update = step_with(keras_adapter.fresh_optimizer(framework, optimizer))
-        concrete, slots, stamps = _trace_once(traced_step, update, framework, arg_specs, autograph=autograph,
-                                              weights=trainable, stamp_updates=stamp_updates)
+        updates_and_applies = [update_for(keras_adapter.fresh_optimizer(framework, opt)) for opt in optimizers]
+        updates = [update for update, _ in updates_and_applies]
+        concrete, slots, stamps = _trace_once(step_with(updates_and_applies), updates, framework, arg_specs,
+                                              autograph=autograph, weights=trainable, stamp_updates=stamp_updates)
         if concrete is not None:
             break
     if not gradient_box:
+        names = " or ".join(f"{type(opt).__name__}.apply_gradients" for opt in optimizers)
         raise keras_adapter.UnsupportedModelError(
             f"the step function passed to strategy.run applied no gradient of {model.name}'s weights through "
-            f"{type(optimizer).__name__}.apply_gradients: TofuStrategy plans the step that trains the model. "
+            f"{names}: TofuStrategy plans the step that trains the model. "
             "Plan it explicitly with strategy.plan_model(model, batch_size=..., loss=..., optimizer=...).")
-    variables, handle_paths = _collect_variables(model, update, slots, gradient_box, weight_names)
+    variables, handle_paths = _collect_variables(model, updates, slots, gradient_box, weight_names)
     input_names = tuple(t.name for t in concrete.graph.inputs[: len(tf.nest.flatten(arg_specs))])
     return _TraceResult(concrete.graph, input_names, gradient_box, handle_paths, variables, tuple(stamps))
 
@@ -324,19 +337,26 @@ def _trace_once(train_step, opt, framework, arg_specs, *, autograph, weights, st
     ``stamp_updates`` traces the optimizer's update once per shape of the trainable
     ``weights`` (``update_stamps``); otherwise every update is traced.
     """
-    with keras_adapter.recording_slots(opt, defer_zeros=framework == "tf_keras") as slots:
-        updates = update_stamps.UpdateRecorder(opt, [keras_adapter.tf_variable(w) for w in weights], slots)
-        with updates.recording(enabled=stamp_updates):
-            try:
-                concrete = tf.function(train_step, autograph=autograph).get_concrete_function(*arg_specs)
-            except Exception as error:  # pylint: disable=broad-except
-                # Tensors used as Python bools or ints fail in many ways (OperatorNotAllowedInGraphError,
-                # TypeError from range(tensor), ...); a real error fails the AutoGraph trace again.
-                if autograph:
-                    raise
-                logging.debug("capture: tracing again with AutoGraph after %s: %s", type(error).__name__, error)
-                return None, None, None
-    return concrete, slots, updates.stamps
+    opts = list(opt) if isinstance(opt, (list, tuple)) else [opt]
+    weight_variables = [keras_adapter.tf_variable(w) for w in weights]
+    with contextlib.ExitStack() as recording:
+        slot_lists, recorders = [], []
+        for each in opts:       # each optimizer's slots and updates recorded on its own
+            slots = recording.enter_context(keras_adapter.recording_slots(each, defer_zeros=framework == "tf_keras"))
+            recorder = update_stamps.UpdateRecorder(each, weight_variables, slots)
+            recording.enter_context(recorder.recording(enabled=stamp_updates))
+            slot_lists.append(slots)
+            recorders.append(recorder)
+        try:
+            concrete = tf.function(train_step, autograph=autograph).get_concrete_function(*arg_specs)
+        except Exception as error:  # pylint: disable=broad-except
+            # Tensors used as Python bools or ints fail in many ways (OperatorNotAllowedInGraphError,
+            # TypeError from range(tensor), ...); a real error fails the AutoGraph trace again.
+            if autograph:
+                raise
+            logging.debug("capture: tracing again with AutoGraph after %s: %s", type(error).__name__, error)
+            return None, None, None
+    return concrete, [s for slots in slot_lists for s in slots], [s for r in recorders for s in r.stamps]
 
 
 def _collect_variables(model, opt, slots, gradient_box, weight_names):
@@ -367,7 +387,8 @@ def _collect_variables(model, opt, slots, gradient_box, weight_names):
         slot_ids.add(id(record.slot))
         add(record.slot, ir.VariableKind.OPTIMIZER_SLOT, optimizer_names.name(record.slot),
             slot_of=weight_names[id(record.weight)], slot_name=record.slot_name)
-    for var in keras_adapter.optimizer_variables(opt):
+    for var in [v for each in (opt if isinstance(opt, (list, tuple)) else [opt])
+                for v in keras_adapter.optimizer_variables(each)]:
         if id(var) not in slot_ids:
             kind = ir.VariableKind.OPTIMIZER_STATE if var.shape.rank == 0 else ir.VariableKind.OPTIMIZER_SLOT
             add(var, kind, f"optimizer/{optimizer_names.name(var)}")

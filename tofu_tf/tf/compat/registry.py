@@ -423,6 +423,63 @@ CHANGES: tuple[Change, ...] = (
         why="a deferred variable needs its shape and dtype without running the initializer (a full-size value)",
         packages=("keras",), site="tofu_tf.tf.keras_adapter"),
     Change(
+        name="int8_matmul_exact",
+        replaces="Keras 3's TensorFlow-backend numpy.matmul and numpy.einsum (module functions), for int8 x int8 "
+                 "operands only: computed in float32 (contraction <= 1024) or float64 and cast to int32",
+        targets=("keras.src.backend.tensorflow.numpy:matmul", "keras.src.backend.tensorflow.numpy:einsum"),
+        scope=Scope.CALL, undone="when the last strategy.run in the process returns; other threads see the original",
+        why="Keras multiplies int8 by int8 with tf.matmul(output_type=int32), a BatchMatMulV3, which DTensor has "
+            "no layout propagation for: a quantized model's predict failed; the float sums are exact integers",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.quantized"),
+    Change(
+        name="quantize_in_scope",
+        replaces="the model's quantize (instance attribute), and each quantizable layer's quantize while it runs",
+        targets=("keras.src.models.model:Model.quantize", "keras.src.layers.layer:Layer.quantize"),
+        scope=Scope.MODEL, undone=_LIFETIME,
+        why="quantize made its int8 kernels and scales as plain host variables beside the mesh's (out of the "
+            "scope) or replicated (in it): they are made through the strategy, each int8 kernel in its float "
+            "kernel's layout and its scale split with it; modes other than int8 are refused",
+        packages=("keras",), site="tofu_tf.tf.compat.quantized"),
+    Change(
+        name="train_step_model_built",
+        replaces="Model.built set to True on a model with no call of its own whose layers are all built (a GAN), "
+                 "once it is planned from its own train_step",
+        targets=("keras.src.backend.tensorflow.trainer:TensorFlowTrainer._maybe_symbolic_build",
+                 "keras.src.trainers.trainer:Trainer._symbolic_build"),
+        scope=Scope.MODEL, undone=_LIFETIME,
+        why="under a distribution strategy Keras 3's fit builds an unbuilt model by calling it; a model with "
+            "no call (keras.io's GAN) stopped there, where one device skips that build",
+        packages=("keras",), site="tofu_tf.strategies.custom_steps"),
+    Change(
+        name="batch_concat_gathered",
+        replaces="tf.concat (the tensorflow module's attribute), for floating-point tensors joined along "
+                 "dimension 0 in a traced strategy step: inputs and result relaid replicated",
+        targets=("tensorflow:concat",),
+        scope=Scope.CALL, undone="when the last strategy.run in the process returns; other threads see the original",
+        why="DTensor's concat expander refuses a concatenation along a split dimension: a GAN's "
+            "tf.concat([generated, real], axis=0) of batch-split images failed its first step",
+        packages=("tensorflow",), site="tofu_tf.tf.compat.batch_concat"),
+    Change(
+        name="stateless_draws_replicated",
+        replaces="tf.random.stateless_normal, stateless_uniform, stateless_truncated_normal, stateless_categorical, "
+                 "stateless_gamma, stateless_binomial and stateless_poisson (the tf.random module's attributes), "
+                 "in a traced strategy step: the draw relaid replicated",
+        targets=tuple(f"tensorflow:random.{name}" for name in (
+            "stateless_normal", "stateless_uniform", "stateless_truncated_normal", "stateless_categorical",
+            "stateless_gamma", "stateless_binomial", "stateless_poisson")),
+        scope=Scope.CALL, undone="when the last strategy.run in the process returns; other threads see the original",
+        why="DTensor folds each device's coordinates into the seed of a random op it lays out split: a "
+            "custom train_step's latents (keras.io's GAN) were not the numbers one device draws from the seed",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.random_draws"),
+    Change(
+        name="custom_step_loss_marked",
+        replaces="a tf-keras Loss a custom train_step's model holds as an attribute: _allow_sum_over_batch_size=True",
+        targets=("tf_keras.losses:Loss._get_reduction",),
+        scope=Scope.MODEL, undone=_LIFETIME,
+        why="tf-keras refuses an AUTO-reduction Loss called under a strategy outside compile (a per-replica "
+            "mean); TofuStrategy's step is one replica over the global batch, whose mean is one device's",
+        packages=("tf-keras",), site="tofu_tf.strategies.custom_steps"),
+    Change(
         name="restored_function_read",
         replaces="nothing: reads the concrete functions of a function tf.saved_model.load restored "
                  "(RestoredFunction.concrete_functions: their captured variables and ops)",

@@ -1,0 +1,59 @@
+"""Stateless random draws inside a strategy step, drawn as one device draws them.
+
+A custom ``train_step`` draws its own random tensors: keras.io's GAN samples its latent vectors
+and label noise with ``keras.random.normal(..., seed=self.seed_generator)``, which Keras 3's
+TensorFlow backend draws with ``tf.random.stateless_normal``; a tf-keras step writes
+``tf.random.stateless_normal(shape, seed)`` itself. DTensor gives such an op the layout its
+consumers ask for, and with a split layout it folds each device's mesh coordinates into the seed
+(TF 2.21), so the latents a batch-split generator received were other numbers than one device
+draws from the same seed, and training left one device's path at the first step. While a strategy
+step runs (``strategy.run``), on that thread, TensorFlow's stateless draws (``tf.random.
+stateless_normal``, ``stateless_uniform``, ``stateless_truncated_normal``, ``stateless_categorical``,
+``stateless_gamma``, ``stateless_binomial``, ``stateless_poisson``) relay their result to a
+replicated layout on the strategy's mesh right after the draw (the change
+``stateless_draws_replicated``): DTensor then draws the whole tensor unsplit, from the seed as
+given, and the ops after it split it as their layouts ask. The values are one device's; each device
+holds the whole draw (a batch of latents). Dropout masks are not drawn through these functions
+(``stateless_dropout`` draws inside TensorFlow): they stay drawn in the layout of what they drop
+(docs/internals.md). Stateful draws (``tf.random.normal``) have no DTensor layout propagation at
+all; the planner refuses them before the first step (``tofu_tf.search.targets``). Other threads
+draw as TensorFlow does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tofu_tf.tf.compat import patching
+from tofu_tf.tf.compat.registry import change
+
+DRAWS = ("stateless_normal", "stateless_uniform", "stateless_truncated_normal", "stateless_categorical",
+         "stateless_gamma", "stateless_binomial", "stateless_poisson")
+
+
+def _tf_random(name: str):
+    return lambda: (tf.random, name)
+
+
+_CHANGE = change("stateless_draws_replicated")
+_PATCHES = tuple(patching.ThreadScopedPatch(_CHANGE, _tf_random(name)) for name in DRAWS)
+
+
+@contextlib.contextmanager
+def draws_replicated(mesh: dtensor.Mesh) -> Iterator[None]:
+    """While active, on this thread, stateless random draws in a traced step are laid out
+    replicated on ``mesh`` (see the module docstring)."""
+    def replicated(original, *args, **kwargs):
+        value = original(*args, **kwargs)
+        if tf.executing_eagerly() or not tf.is_tensor(value) or value.shape.rank is None:
+            return value
+        return dtensor.relayout(value, dtensor.Layout.replicated(mesh, rank=value.shape.rank))
+
+    with contextlib.ExitStack() as stack:
+        for patch in _PATCHES:
+            stack.enter_context(patch.active(replicated))
+        yield
