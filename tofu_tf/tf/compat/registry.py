@@ -110,6 +110,18 @@ CHANGES: tuple[Change, ...] = (
         why="DTensor has no layout propagation for AvgPoolGrad",
         packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.layers"),
     Change(
+        name="depthwise_as_grouped_conv",
+        replaces="DepthwiseConv1D/2D and SeparableConv1D/2D call (channels_last) with the depthwise "
+                 "convolution as a grouped Conv2D (filter reshaped to (kh, kw, 1, C*m))",
+        targets=("tf_keras.layers:DepthwiseConv2D.call", "keras.layers:DepthwiseConv2D.call",
+                 "tf_keras.layers:SeparableConv2D.call", "keras.layers:SeparableConv2D.call",
+                 "tf_keras.layers:DepthwiseConv1D.call", "keras.layers:DepthwiseConv1D.call",
+                 "tf_keras.layers:SeparableConv1D.call", "keras.layers:SeparableConv1D.call"),
+        scope=Scope.LAYER, undone=_LIFETIME,
+        why="DTensor has no layout propagation for DepthwiseConv2dNativeBackpropFilter/BackpropInput "
+            "(nor SpaceToBatchND); a grouped Conv2D computes the same, bit for bit on one CPU",
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.depthwise"),
+    Change(
         name="rnn_unrolled",
         replaces="RNN (LSTM, GRU, SimpleRNN, Keras 3 ConvLSTM): unroll=True, tf-keras "
                  "_could_use_gpu_kernel=False; get_config wrapped to report the user's unroll",
