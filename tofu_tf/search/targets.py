@@ -63,7 +63,9 @@ minimal DTensor reproducer in ``tests/test_dtensor_expanders.py``:
   every layout, replicated included. Spelling every axis (``t[None, :, :]``)
   or ``tf.expand_dims`` lowers correctly. TofuStrategy's variables spell the
   axes themselves (``tofu_tf.tf.variables``), so a position table written
-  ``x + table[None]`` trains; a tensor sliced so is refused.
+  ``x + table[None]`` trains, and so do the tensor slices of a model the strategy
+  prepared, while its call runs (``tofu_tf.tf.compat.slices``: keras-hub XLNet's
+  segment matrix); a tensor sliced so elsewhere is refused.
 * ops with no layout propagation at all (``NO_LAYOUT_PROPAGATION``: the linear
   algebra of ``tf.linalg.svd``, ``det``, ``inv``, ``eigh``, ``solve``, the
   matrix band/diagonal ops, ``cumprod``, ``bincount`` and Python functions,

@@ -31,6 +31,7 @@ class Scope(enum.Enum):
     CAPTURE = "during capture"           # while a step is traced for planning, then restored
     CREATION = "during variable creation"  # while one variable is made, on the calling thread only
     CALL = "during a step call"          # while a step program is called, on the calling thread only
+    MODEL_CALL = "during a model call"   # while the strategy's model is called (traced), on the calling thread only
     PROCESS = "process-wide"             # every model in the process, while a TofuStrategy is alive
     READ = "read only"                   # a private attribute read, nothing changed
 
@@ -180,6 +181,15 @@ CHANGES: tuple[Change, ...] = (
         why="a SavedModel traced on the mesh holds Relayout ops and DTensor variables, which one device "
             "and TF Serving cannot run; it is made from a one-device copy",
         packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.strategies.export"),
+    Change(
+        name="new_axis_slices_spelled_out",
+        replaces="the model's call, run under tensor_getitem_spelled_out (every layer it calls slices new axes "
+                 "with every axis named: t[:, None] as t[:, None, :])",
+        targets=("tf_keras:Model.call", "keras:Model.call"),
+        scope=Scope.MODEL, undone=_LIFETIME,
+        why="DTensor's StridedSlice layout inference reads the wrong axis for axes a spec leaves implicit after "
+            "a new axis (a segfault or garbage, in every layout); keras-hub XLNet's segment matrix slices so",
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.slices"),
     # -- per optimizer ----------------------------------------------------------------------------
     Change(
         name="optimizer_adopted",
@@ -303,6 +313,14 @@ CHANGES: tuple[Change, ...] = (
         why="TensorFlow runs grappler on each device's part of a DTensor program; on virtual CPU devices, "
             "which share the host's cores, that was the largest part of a first step",
         packages=("tensorflow",), site="tofu_tf.tf.compat.calls"),
+    Change(
+        name="tensor_getitem_spelled_out",
+        replaces="tf.Tensor.__getitem__ (on the class) while a prepared model's call runs: a spec with a new axis "
+                 "names every axis",
+        targets=("tensorflow.python.framework.tensor:Tensor.__getitem__",),
+        scope=Scope.MODEL_CALL, undone="on return of the model's call, also on error; other threads see the original",
+        why="the slices of new_axis_slices_spelled_out: a layer slices a tensor with TensorFlow's own __getitem__",
+        packages=("tensorflow",), site="tofu_tf.tf.compat.slices"),
     # -- process-wide ---------------------------------------------------------------------------
     Change(
         name="dtensor_all_reduces_uncombined",
