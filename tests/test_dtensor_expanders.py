@@ -19,7 +19,6 @@ import tf_keras as keras
 
 from tests import strategy_helpers as h
 from tofu_tf.search import UnsupportedOpError, plan_graph
-from tofu_tf.search.targets import NO_LAYOUT_PROPAGATION
 from tofu_tf.tf import variables as variables_lib
 from tofu_tf.tf.capture import DynamicShapeError, capture_training_step
 
@@ -442,62 +441,9 @@ def test_lowered_slots_follow_their_weights_layout():
 
 # -- ops without layout propagation ----------------------------------------------
 
-_NO_PROPAGATION = _MESH + """
-square = dtensor.copy_to_mesh(tf.eye(4) * 2.0 + 1.0, replicated(mesh, 2))
-written = {
-    "Svd": lambda a: tf.linalg.svd(a)[0], "MatrixDeterminant": tf.linalg.det,
-    "LogMatrixDeterminant": lambda a: tf.linalg.slogdet(a)[1], "MatrixInverse": tf.linalg.inv,
-    "SelfAdjointEigV2": lambda a: tf.linalg.eigh(a)[0], "MatrixSolve": lambda a: tf.linalg.solve(a, a),
-    "MatrixTriangularSolve": lambda a: tf.linalg.triangular_solve(a, a),
-    "MatrixBandPart": lambda a: tf.linalg.band_part(a, 0, -1), "MatrixDiagPartV3": tf.linalg.diag_part,
-    "MatrixDiagV3": lambda a: tf.linalg.diag(a[0]), "MatrixSetDiagV3": lambda a: tf.linalg.set_diag(a, a[0]),
-    "Cumprod": lambda a: tf.math.cumprod(a, axis=1),
-    "DenseBincount": lambda a: tf.math.bincount(tf.cast(a, tf.int32), minlength=4, maxlength=4, dtype=tf.float32),
-    "EagerPyFunc": lambda a: tf.py_function(lambda t: t * 2, [a], tf.float32),
-    "PyFunc": lambda a: tf.numpy_function(lambda t: t * 2, [a], tf.float32, stateful=True),
-    "PyFuncStateless": lambda a: tf.numpy_function(lambda t: t * 2, [a], tf.float32, stateful=False),
-}
-# The fused updates of tf-keras's legacy optimizers: (inputs, the gradient's position, variables written).
-import inspect
-slots = [dtensor.DVariable(dtensor.copy_to_mesh(tf.ones((4, 4)), replicated(mesh, 2))) for _ in range(4)]
-FUSED = {"ResourceApplyProximalGradientDescent": (5, 4, 1), "ResourceApplyAdagrad": (4, 3, 2),
-         "ResourceApplyProximalAdagrad": (6, 5, 2), "ResourceApplyAdaMax": (9, 8, 3),
-         "ResourceApplyAdadelta": (7, 6, 3), "ResourceApplyRMSProp": (8, 7, 3), "ResourceApplyFtrl": (8, 3, 3),
-         "ResourceApplyFtrlV2": (9, 3, 3), "ResourceApplyAdamWithAmsgrad": (11, 10, 4)}
-
-
-def fused(op_type, count, grad_at, written):
-    raw = getattr(tf.raw_ops, op_type)
-    params = [p for p in inspect.signature(raw).parameters
-              if p not in ("use_locking", "use_nesterov", "name", "multiply_linear_by_lr", "update_slots")][:count]
-
-    def run(grad):
-        raw(**{p: slots[i].handle if i < written else grad if i == grad_at else tf.constant(-0.5 if "power" in p else 0.5)
-               for i, p in enumerate(params)})
-        return slots[0].read_value()
-    return run
-
-
-written.update({op_type: fused(op_type, *spec) for op_type, spec in FUSED.items()})
-assert sorted(written) == sorted(sys.argv[1:]), sorted(set(written) ^ set(sys.argv[1:]))
-for op_type, fn in written.items():
-    try:
-        tf.function(fn)(square)
-        print(op_type, "ran", flush=True)
-    except Exception as error:
-        if f"'tf.{op_type}' op does not implement layout propagation" in str(error):
-            print(op_type, "refused", flush=True)
-        else:
-            print(op_type, "failed otherwise:", str(error)[:300], flush=True)
-"""
-
-
-def test_dtensor_has_no_layout_propagation_for_the_listed_ops():
-    """Every op type of ``NO_LAYOUT_PROPAGATION`` is refused by DTensor on a replicated input."""
-    out = _run(_NO_PROPAGATION, *sorted(NO_LAYOUT_PROPAGATION))
-    assert out.returncode == 0, _tail(out)
-    assert sorted(out.stdout.split()) == sorted(
-        [word for op in NO_LAYOUT_PROPAGATION for word in (op, "refused")]), _tail(out)
+# Which op types DTensor refuses even replicated (``NO_LAYOUT_PROPAGATION``) is derived by probing
+# one-op programs (bench/dtensor_support.py) and checked against the checked-in table by
+# tests/test_dtensor_support.py.
 
 
 class _Spectral(keras.layers.Layer):
