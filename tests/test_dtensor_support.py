@@ -21,6 +21,7 @@ import tensorflow as tf
 from tofu_tf import semantics
 from tofu_tf.search import UnsupportedOpError, dtensor_support, targets
 from tofu_tf.strategies import TofuStrategy
+from tofu_tf.tf.capture import capture_training_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = 8
@@ -116,8 +117,18 @@ def _refused(layer, shape, match):
 
 
 def test_a_scan_in_a_layer_is_refused_naming_the_layer():
+    """The strategy's strict check refuses the scan's TensorListStack by name; so does it on a
+    step captured without the strategy."""
     _refused(_Scan(name="time_mix"), (6, 4),
              r"TensorListStack '[^']*' \(Keras layer 'time_mix', from a tf\.while_loop, tf\.scan.*unroll the loop")
+    keras3.utils.set_random_seed(7)
+    inputs = keras3.Input((6, 4))
+    model = keras3.Model(inputs, keras3.layers.Dense(4, name="head")(
+        keras3.layers.Flatten()(_Scan(name="time_mix")(keras3.layers.Dense(4, name="d1")(inputs)))))
+    graph = capture_training_step(model, batch_size=BATCH, loss="mse", optimizer="sgd")
+    with pytest.raises(UnsupportedOpError, match=r"TensorListStack '[^']*' \(Keras layer 'time_mix', from a "
+                                                 r"tf\.while_loop, tf\.scan.*unroll the loop"):
+        targets.check_lowerable(graph, targets.Target.DTENSOR, exempt=frozenset())
 
 
 def test_a_layers_own_depthwise_convolution_is_refused_naming_the_layer():

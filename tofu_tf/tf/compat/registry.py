@@ -184,7 +184,7 @@ CHANGES: tuple[Change, ...] = (
     Change(
         name="new_axis_slices_spelled_out",
         replaces="the model's call, run under tensor_getitem_spelled_out (every layer it calls slices new axes "
-                 "with every axis named: t[:, None] as t[:, None, :])",
+                 "with every axis named: t[:, None] as t[:, None, :]) and tensor_arrays_as_lists",
         targets=("tf_keras:Model.call", "keras:Model.call"),
         scope=Scope.MODEL, undone=_LIFETIME,
         why="DTensor's StridedSlice layout inference reads the wrong axis for axes a spec leaves implicit after "
@@ -321,6 +321,16 @@ CHANGES: tuple[Change, ...] = (
         scope=Scope.MODEL_CALL, undone="on return of the model's call, also on error; other threads see the original",
         why="the slices of new_axis_slices_spelled_out: a layer slices a tensor with TensorFlow's own __getitem__",
         packages=("tensorflow",), site="tofu_tf.tf.compat.slices"),
+    Change(
+        name="tensor_arrays_as_lists",
+        replaces="tf.TensorArray.__init__ (on the class) while a prepared model's call runs: a TensorArray of "
+                 "static size is TensorFlow's eager, list-backed implementation (subclassed: static indices only)",
+        targets=("tensorflow.python.ops.tensor_array_ops:TensorArray.__init__",
+                 "tensorflow.python.ops.tensor_array_ops:_EagerTensorArray"),
+        scope=Scope.MODEL_CALL, undone="on return of the model's call, also on error; other threads see the original",
+        why="a graph TensorArray is a TensorList, which DTensor cannot lay out even replicated; keras-hub RWKV-7 "
+            "writes its unrolled recurrence's outputs into one",
+        packages=("tensorflow",), site="tofu_tf.tf.compat.tensor_arrays"),
     # -- process-wide ---------------------------------------------------------------------------
     Change(
         name="dtensor_all_reduces_uncombined",

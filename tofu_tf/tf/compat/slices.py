@@ -26,7 +26,7 @@ import types
 from typing import Iterator
 
 from tofu_tf.tf import variables as variables_lib
-from tofu_tf.tf.compat import patching
+from tofu_tf.tf.compat import patching, tensor_arrays
 from tofu_tf.tf.compat.registry import Applied, change
 
 
@@ -52,8 +52,9 @@ def new_axes_spelled_out() -> Iterator[None]:
 
 
 def spell_out_new_axes(model) -> Applied | None:
-    """Make ``model``'s call run under ``new_axes_spelled_out``; the record, or None when it
-    already does. Every layer the model calls is inside its call, so one wrap covers them."""
+    """Make ``model``'s call run under ``new_axes_spelled_out`` (and, for the same reason, under
+    ``tensor_arrays.tensor_arrays_as_lists``); the record, or None when it already does. Every
+    layer the model calls is inside its call, so one wrap covers them."""
     if getattr(model, "_tofu_slices_spelled", False):
         return None
     model.call = types.MethodType(_spelled_call(model.call), model)
@@ -65,6 +66,6 @@ def _spelled_call(call):
     @functools.wraps(call)
     def spelled_call(self, *args, **kwargs):
         del self
-        with new_axes_spelled_out():
+        with new_axes_spelled_out(), tensor_arrays.tensor_arrays_as_lists():
             return call(*args, **kwargs)
     return spelled_call
