@@ -139,3 +139,39 @@ def test_keras_hub_efficientnet_trains_as_one_device():
     for g, w in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
     assert any(a.change.name == "depthwise_as_grouped_conv" for a in strategy.changes)
+
+
+_WITHOUT_ONEDNN = """
+from tofu_tf.tf import devices
+devices.configure_virtual_cpus(8)
+import numpy as np
+import keras
+from tofu_tf.search import UnsupportedOpError
+from tofu_tf.strategies import TofuStrategy
+from tofu_tf.tf.compat import depthwise
+assert not depthwise.grouped_gradients_run()
+strategy = TofuStrategy(8)
+with strategy.scope():
+    inputs = keras.Input((6, 6, 4))
+    x = keras.layers.GlobalAveragePooling2D()(keras.layers.DepthwiseConv2D(3, name="dw")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    model.compile(optimizer="sgd", loss="mse")
+try:
+    model.fit(np.ones((8, 6, 6, 4), "float32"), np.ones((8, 2), "float32"), batch_size=8, verbose=0)
+except UnsupportedOpError as error:
+    print("REFUSED", str(error).replace(chr(10), " "))
+"""
+
+
+def test_without_grouped_gradient_kernels_the_depthwise_layer_is_refused_by_name():
+    """TensorFlow's own CPU kernels (oneDNN off) have no grouped-convolution gradients: the layer
+    keeps its depthwise call and the strategy refuses its gradient before the first step."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_ONEDNN], cwd=root, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": root, "TF_ENABLE_ONEDNN_OPTS": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REFUSED" in out.stdout and "DepthwiseConv2dNativeBackpropFilter" in out.stdout, out.stdout[-2000:]
+    assert "Keras layer 'dw'" in out.stdout and "keras.layers.DepthwiseConv2D" in out.stdout

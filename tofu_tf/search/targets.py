@@ -348,8 +348,9 @@ _REMEDIES = {
     "TensorListStack": "unroll the loop in Python over a static length (a Keras RNN layer TofuStrategy unrolls "
                        "itself), or compute the recurrence outside the training step",
     "DepthwiseConv2dNativeBackpropFilter": "use keras.layers.DepthwiseConv2D or SeparableConv2D (TofuStrategy runs "
-                                           "them as grouped convolutions), or a grouped keras.layers.Conv2D "
-                                           "(groups=channels)",
+                                           "them as grouped convolutions, where the CPU has oneDNN's grouped "
+                                           "gradients: leave TF_ENABLE_ONEDNN_OPTS on, or train on GPUs), or a "
+                                           "grouped keras.layers.Conv2D (groups=channels)",
     "SpaceToBatchND": "use keras.layers.Conv2D/DepthwiseConv2D with dilation_rate (TofuStrategy runs their "
                       "dilation in the convolution itself)",
     "BatchMatMulV3": "train the float model and quantize it after training (int8 matmuls are for inference)",

@@ -23,13 +23,21 @@ writes its depthwise convolutions that way itself (``Conv2D(groups=...)``).
 Only ``channels_last`` layers are rewritten, and not one with both a stride and a
 dilation above 1 (Keras 3 decomposes that case itself); the rest keep their call.
 The layer's weights, config and saved form are unchanged.
+
+TensorFlow's CPU kernels for a grouped convolution's gradients are oneDNN's (on by default on
+x86); TensorFlow's own raise "Gradients for grouped convolutions are not supported on CPU"
+(``TF_ENABLE_ONEDNN_OPTS=0``). Where no GPU is visible and the CPU cannot compute them
+(``grouped_gradients_run``, probed once on two tiny tensors), the layers keep their call, and
+the strategy refuses the depthwise gradient before the first step, naming the layer.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 
 import tensorflow as tf
+from absl import logging
 
 from tofu_tf.tf.compat.registry import Applied, change
 
@@ -41,9 +49,28 @@ def rewrite_depthwise(path: str, layer) -> Applied | None:
     or separable convolution this module can rewrite; the record of the change, or None."""
     if not _rewritable(layer):
         return None
+    if not grouped_gradients_run():
+        logging.warning("TofuStrategy: %s: left a depthwise convolution: this CPU has no kernel for a grouped "
+                        "convolution's gradients (TF_ENABLE_ONEDNN_OPTS=0?)", path)
+        return None
     layer.call = types.MethodType(_grouped_call, layer)
     layer._tofu_grouped = True  # pylint: disable=protected-access
     return Applied(change("depthwise_as_grouped_conv"), path, "depthwise convolution as a grouped Conv2D")
+
+
+@functools.lru_cache(maxsize=1)
+def grouped_gradients_run() -> bool:
+    """Whether this process can compute a grouped convolution's input gradient: on a GPU (cuDNN),
+    or on a CPU whose kernels are oneDNN's. Probed once, eagerly, outside any function."""
+    if tf.config.list_logical_devices("GPU"):
+        return True
+    with tf.init_scope(), tf.device("/CPU:0"):
+        try:
+            tf.raw_ops.Conv2DBackpropInput(input_sizes=[1, 2, 2, 2], filter=tf.ones((1, 1, 1, 2)),
+                                           out_backprop=tf.ones((1, 2, 2, 2)), strides=[1, 1, 1, 1], padding="SAME")
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError):
+            return False
+    return True
 
 
 def _rewritable(layer) -> bool:
