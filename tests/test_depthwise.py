@@ -118,11 +118,22 @@ def _efficientnet():
                                                         dropout=0.0)
 
 
+def _xception():
+    import keras_hub
+    keras3.utils.set_random_seed(3)
+    backbone = keras_hub.models.XceptionBackbone(stackwise_conv_filters=[[8, 8], [16, 16], [16, 16]],
+                                                 stackwise_pooling=[True, True, False], image_shape=(16, 16, 3))
+    pooled = keras3.layers.GlobalAveragePooling2D()(backbone.output)
+    return keras3.Model(backbone.input, keras3.layers.Dense(4, name="head")(pooled))
+
+
 @pytest.mark.slow
-def test_keras_hub_efficientnet_trains_as_one_device():
-    """A tiny EfficientNet (random weights, no download): DepthwiseConv2D in every MBConv block,
-    BatchNormalization, squeeze-and-excite. SGD with momentum, 3 steps."""
-    reference = _efficientnet()
+@pytest.mark.parametrize("build", [_efficientnet, _xception], ids=["efficientnet", "xception"])
+def test_keras_hub_depthwise_backbones_train_as_one_device(build):
+    """Tiny keras-hub nets (random weights, no download): EfficientNet (a DepthwiseConv2D in every
+    MBConv block, BatchNormalization, squeeze-and-excite) and Xception (SeparableConv2D).
+    SGD with momentum, 3 steps."""
+    reference = build()
     initial = reference.get_weights()
     _compile(keras3, reference)
     rng = np.random.default_rng(0)
@@ -131,7 +142,7 @@ def test_keras_hub_efficientnet_trains_as_one_device():
     want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
     strategy = TofuStrategy(8)
     with strategy.scope():
-        model = _efficientnet()
+        model = build()
         model.set_weights(initial)
         _compile(keras3, model)
     got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
