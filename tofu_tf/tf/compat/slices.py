@@ -63,9 +63,12 @@ def spell_out_new_axes(model) -> Applied | None:
 
 
 def _spelled_call(call):
+    """``call`` (the model's bound call) run under the contexts; unbound, so that a copy of the
+    model (``copy.deepcopy`` rebinds the method) runs its own call, not the original's."""
+    func = getattr(call, "__func__", None)
+
     @functools.wraps(call)
     def spelled_call(self, *args, **kwargs):
-        del self
         with new_axes_spelled_out(), tensor_arrays.tensor_arrays_as_lists():
-            return call(*args, **kwargs)
+            return func(self, *args, **kwargs) if func is not None else call(*args, **kwargs)
     return spelled_call
