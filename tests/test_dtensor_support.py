@@ -81,6 +81,13 @@ class _Scan(keras3.layers.Layer):
         return tf.transpose(tf.scan(lambda acc, step: acc * 0.5 + step, tf.transpose(x, (1, 0, 2))), (1, 0, 2))
 
 
+class _MapFn(keras3.layers.Layer):
+    """Each example through its own small function, with tf.map_fn (a While loop over TensorArrays)."""
+
+    def call(self, x):
+        return tf.map_fn(lambda row: tf.math.cumsum(row, axis=0), x)
+
+
 class _OwnDepthwise(keras3.layers.Layer):
     """A depthwise convolution through keras.ops, not keras.layers.DepthwiseConv2D."""
 
@@ -116,11 +123,11 @@ def _refused(layer, shape, match):
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
-def test_a_scan_in_a_layer_is_refused_naming_the_layer():
-    """The strategy's strict check refuses the scan's TensorListStack by name; so does it on a
-    step captured without the strategy."""
-    _refused(_Scan(name="time_mix"), (6, 4),
-             r"TensorListStack '[^']*' \(Keras layer 'time_mix', from a tf\.while_loop, tf\.scan.*unroll the loop")
+def test_a_loop_over_tensor_arrays_in_a_layer_is_refused_naming_the_layer():
+    """The strategy's strict check refuses a tf.map_fn's TensorListStack by name (a tf.scan of static
+    length it unrolls, tests/test_scans.py); so does it a scan's on a step captured without the strategy."""
+    _refused(_MapFn(name="per_row"), (6, 4),
+             r"TensorListStack '[^']*' \(Keras layer 'per_row', from a tf\.while_loop, tf\.scan.*unroll the loop")
     keras3.utils.set_random_seed(7)
     inputs = keras3.Input((6, 4))
     model = keras3.Model(inputs, keras3.layers.Dense(4, name="head")(

@@ -345,8 +345,8 @@ def _refusal(op_type: str) -> str:
 
 
 _REMEDIES = {
-    "TensorListStack": "unroll the loop in Python over a static length (a Keras RNN layer TofuStrategy unrolls "
-                       "itself), or compute the recurrence outside the training step",
+    "TensorListStack": "unroll the loop in Python over a static length (TofuStrategy unrolls a Keras RNN layer and "
+                       "a tf.scan of static length itself), or compute the recurrence outside the training step",
     "DepthwiseConv2dNativeBackpropFilter": "use keras.layers.DepthwiseConv2D or SeparableConv2D (TofuStrategy runs "
                                            "them as grouped convolutions, where the CPU has oneDNN's grouped "
                                            "gradients: leave TF_ENABLE_ONEDNN_OPTS on, or train on GPUs), or a "

@@ -184,7 +184,7 @@ CHANGES: tuple[Change, ...] = (
     Change(
         name="new_axis_slices_spelled_out",
         replaces="the model's call, run under tensor_getitem_spelled_out (every layer it calls slices new axes "
-                 "with every axis named: t[:, None] as t[:, None, :]) and tensor_arrays_as_lists",
+                 "with every axis named: t[:, None] as t[:, None, :]), tensor_arrays_as_lists and scans_unrolled",
         targets=("tf_keras:Model.call", "keras:Model.call"),
         scope=Scope.MODEL, undone=_LIFETIME,
         why="DTensor's StridedSlice layout inference reads the wrong axis for axes a spec leaves implicit after "
@@ -331,6 +331,14 @@ CHANGES: tuple[Change, ...] = (
         why="a graph TensorArray is a TensorList, which DTensor cannot lay out even replicated; keras-hub RWKV-7 "
             "writes its unrolled recurrence's outputs into one",
         packages=("tensorflow",), site="tofu_tf.tf.compat.tensor_arrays"),
+    Change(
+        name="scans_unrolled",
+        replaces="tensorflow.python.ops.functional_ops.scan (what tf.scan calls) while a prepared model's call "
+                 "runs: a scan over a static number of elements as a Python loop and a stack",
+        targets=("tensorflow.python.ops.functional_ops:scan",),
+        scope=Scope.MODEL_CALL, undone="on return of the model's call, also on error; other threads see the original",
+        why="a scan runs as a While loop over TensorLists, which DTensor cannot lay out even replicated",
+        packages=("tensorflow",), site="tofu_tf.tf.compat.scans"),
     # -- process-wide ---------------------------------------------------------------------------
     Change(
         name="dtensor_all_reduces_uncombined",

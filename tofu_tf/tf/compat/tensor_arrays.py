@@ -15,8 +15,8 @@ Python loop over the static sequence length that writes each step's output into 
 and stacks it: the loop is already unrolled, only the container is a TensorList. As a list,
 the same values reach the same ``Pack``, and every op is one DTensor lays out.
 
-A TensorArray used in a loop (``tf.while_loop``, ``tf.scan``, ``tf.map_fn``: its flow taken, or an
-index the graph computes) cannot be a list: it becomes TensorFlow's graph TensorArray there, with
+A TensorArray used in a loop (``tf.while_loop``, ``tf.map_fn``; a ``tf.scan`` of static length is
+unrolled first, ``tofu_tf.tf.compat.scans``: its flow taken, or an index the graph computes) cannot be a list: it becomes TensorFlow's graph TensorArray there, with
 what was written, and the plan refuses its ``TensorListStack`` before the first step, naming the
 layer and the fix (a Python loop over the static length) instead of failing inside DTensor.
 """
