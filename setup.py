@@ -31,7 +31,7 @@ setup(
               *("tofu_tf." + name for name in find_packages(include=["strategies", "strategies.*"]))],
     package_dir={"tofu_tf.strategies": "strategies"},
     # The pipeline memory regression's measured samples.
-    package_data={"tofu_tf.pipeline": ["data/*.json"]},
+    package_data={"tofu_tf.pipeline": ["data/*.json"], "tofu_tf.search": ["dtensor_support.json"]},
     python_requires=">=3.10,<3.13",
     install_requires=[
         # The tested ranges are tofu_tf/versions.py's, which also checks them at run time.

@@ -17,6 +17,7 @@ import types
 from tofu_tf.strategies import export as export_lib
 from tofu_tf.tf import compat, keras_adapter
 from tofu_tf.tf.compat import layers as compat_layers
+from tofu_tf.tf.compat import slices as compat_slices
 
 _MAX_DEPTH = 4
 
@@ -213,12 +214,17 @@ def prepare_for_dtensor(model) -> list[compat.Applied]:
 
     Its layers DTensor cannot expand as written are rewritten without changing their math
     (``tofu_tf.tf.compat.layers.prepare_layers``: fused normalizations, average pooling, RNN
-    loops, stateful dropout), and its SavedModel exports are made from a one-device copy
+    loops, stateful dropout, depthwise convolutions), its call slices new axes with every axis
+    named (``tofu_tf.tf.compat.slices``, the change "new_axis_slices_spelled_out"), and its
+    SavedModel exports are made from a one-device copy
     (``tofu_tf.strategies.export``, the change "savedmodel_from_copy"): one traced on the mesh
     holds DTensor ops no one-device runtime can run.
     """
     refuse_saved_functions(model)
     changes = compat_layers.prepare_layers(model)
+    spelled = compat_slices.spell_out_new_axes(model)
+    if spelled is not None:
+        changes.append(spelled)
     if export_lib.install(model):
         changes.append(compat.Applied(compat.change("savedmodel_from_copy"), model.name,
                                       "SavedModel export from a one-device copy"))

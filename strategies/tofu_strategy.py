@@ -475,8 +475,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         """The plan of ``graph`` under the user's options: from the plan cache when it holds it.
         ``num_devices`` and ``mesh_shape``: a pipeline stage's, in place of the strategy's."""
         from tofu_tf import plan_cache
-        from tofu_tf.search import plan_graph
+        from tofu_tf.search import plan_graph, targets
 
+        # Strict: what remains of the ops its layer changes remove is a layer's own use of them.
+        targets.check_lowerable(graph, targets.Target.DTENSOR, exempt=frozenset())
         options = dict(num_devices=num_devices or self._devices.count, method=self._options.method,
                        memory_budget_bytes=self._options.memory_budget_bytes,
                        mesh_shape=mesh_shape or self._options.mesh_shape, hardware=self._options.hardware)

@@ -433,8 +433,15 @@ def conv(d: Draw, op_type: str) -> Case:
     if attrs["padding"] == "VALID" and any((k - 1) * dil + 1 > s for k, s in zip(kernel, spatial)):
         kernel = (1,) * rank
     cout = d.pick((1, 2)) if depthwise else d.pick((1, 2, 4))
+    # A grouped convolution (a depthwise one as Conv2D, tofu_tf.tf.compat.depthwise): the filter
+    # holds cin/groups input channels, and cout is a multiple of groups.
+    # CPU gradient kernels for groups are oneDNN's, which take no EXPLICIT padding (Keras uses none).
+    groups = d.pick((1, 2, cin)) if op_type.startswith("Conv2D") and cin > 1 and attrs["padding"] != "EXPLICIT" \
+        else 1
+    if groups > 1:
+        cout = groups * d.pick((1, 2))
     x = d.floats((n,) + spatial + (cin,))
-    f = d.floats(kernel + (cin, cout))
+    f = d.floats(kernel + (cin // groups, cout))
     forward = "DepthwiseConv2dNative" if depthwise else ("Conv3D" if rank == 3 else "Conv2D")
     if op_type == forward:
         return Case(op_type, (x, f), attrs, num_parts=d.parts())

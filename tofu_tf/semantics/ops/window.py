@@ -37,6 +37,16 @@ def _conv_windows(op: OpView, fmt: Format, x_shape, y_shape, kernel):
     return windows(op, fmt, _spatial(fmt, x_shape), _spatial(fmt, y_shape), kernel)
 
 
+def _groups(x_channels: int, f_shape) -> tuple[int, int, int]:
+    """(groups, input channels per group, output channels per group) of a convolution whose
+    input has ``x_channels`` channels and whose filter is ``f_shape`` (``[..., c/groups, o]``)."""
+    per_group = f_shape[-2]
+    if not per_group or x_channels % per_group or f_shape[-1] % (x_channels // per_group):
+        raise DescriptionError(f"filter {tuple(f_shape)} does not group {x_channels} input channels")
+    groups = x_channels // per_group
+    return groups, per_group, f_shape[-1] // groups
+
+
 def conv(op: OpView):
     """out[n, h, w, o] = sum_{r, q, c} x[n, h*s+r*d-p, w*s+q*d-p, c] * f[r, q, c, o]"""
     fmt = data_format(op)
@@ -44,6 +54,9 @@ def conv(op: OpView):
     rank = len(fmt.spatial)
     win = _conv_windows(op, fmt, x_shape, op.output_shapes[0], f_shape[:rank])
     sp, kr, _ = _names(rank)
+    groups, cg, og = _groups(x_shape[fmt.channel], f_shape)
+    if groups > 1:
+        return _grouped_conv(fmt, win, rank, groups, cg, og)
 
     def program(x, f):
         def out(*idx):
@@ -64,6 +77,9 @@ def conv_backprop_input(op: OpView):
     rank = len(fmt.spatial)
     win = _conv_windows(op, fmt, dx_shape, dy_shape, f_shape[:rank])
     sp, kr, outn = _names(rank)
+    groups, cg, og = _groups(dx_shape[fmt.channel], f_shape)
+    if groups > 1:
+        return _grouped_conv_backprop_input(fmt, win, rank, groups, cg, og)
 
     def program(sizes, f, dy):
         def out(*idx):
@@ -85,6 +101,9 @@ def conv_backprop_filter(op: OpView):
     rank = len(fmt.spatial)
     win = _conv_windows(op, fmt, x_shape, dy_shape, df_shape[:rank])
     sp, kr, _ = _names(rank)
+    groups, cg, og = _groups(x_shape[fmt.channel], df_shape)
+    if groups > 1:
+        return _grouped_conv_backprop_filter(fmt, win, rank, groups, cg, og)
 
     def program(x, sizes, dy):
         def out(*rqco):
@@ -93,6 +112,61 @@ def conv_backprop_filter(op: OpView):
             def body(n, *hw):
                 return x[fmt.place(n, tuple(wi.at(h, k) for wi, h, k in zip(win, hw, r)), c)] * dy[fmt.place(n, hw, o)]
             return Sum(body, names=("n",) + sp)
+        return Out(out, kr + ("c", "o"))
+    return Program(program, meta={1: MetaKind.OUTPUT_SHAPE})
+
+
+def _grouped_conv(fmt, win, rank, groups, cg, og):
+    """A grouped convolution (``groups`` > 1: a depthwise one written as ``Conv2D``):
+    out[n, h, w, g*og+j] = sum_{r, q, c} x[n, h*s+r*d-p, w*s+q*d-p, g*cg+c] * f[r, q, c, g*og+j]"""
+    sp, kr, _ = _names(rank)
+
+    def program(x, f):
+        def out(*idx):
+            n, hw, o = fmt.split(idx)
+
+            def body(*rcgj):
+                r, c, g, j = rcgj[:rank], rcgj[rank], rcgj[rank + 1], rcgj[rank + 2]
+                value = x[fmt.place(n, tuple(wi.at(h, k) for wi, h, k in zip(win, hw, r)), g * cg + c)] \
+                    * f[r + (c, g * og + j)]
+                return Where(value, (o, g * og + j))
+            return Sum(body, names=kr + ("c", "g", "j"), sizes={"g": groups, "j": og})
+        return Out(out, fmt.place("n", sp, "o"))
+    return program
+
+
+def _grouped_conv_backprop_input(fmt, win, rank, groups, cg, og):
+    """dx[n, h*s+r*d-p, w*s+q*d-p, g*cg+c] += dy[n, h, w, g*og+j] * f[r, q, c, g*og+j]"""
+    sp, kr, outn = _names(rank)
+
+    def program(sizes, f, dy):
+        def out(*idx):
+            n, yx, ci = fmt.split(idx)
+
+            def body(*hwrcgj):
+                hw, r = hwrcgj[:rank], hwrcgj[rank:2 * rank]
+                c, g, j = hwrcgj[2 * rank], hwrcgj[2 * rank + 1], hwrcgj[2 * rank + 2]
+                value = dy[fmt.place(n, hw, g * og + j)] * f[r + (c, g * og + j)]
+                return Where(value, *((y, wi.at(h, k)) for y, wi, h, k in zip(yx, win, hw, r)), (ci, g * cg + c))
+            return Sum(body, names=sp + kr + ("c", "g", "j"), sizes={"g": groups, "j": og})
+        return Out(out, fmt.place("n", outn, "ci"))
+    return Program(program, meta={0: MetaKind.OUTPUT_SHAPE})
+
+
+def _grouped_conv_backprop_filter(fmt, win, rank, groups, cg, og):
+    """df[r, q, c, g*og+j] = sum_{n, h, w} x[n, h*s+r*d-p, w*s+q*d-p, g*cg+c] * dy[n, h, w, g*og+j]"""
+    sp, kr, _ = _names(rank)
+
+    def program(x, sizes, dy):
+        def out(*rqco):
+            r, c, o = rqco[:rank], rqco[rank], rqco[rank + 1]
+
+            def body(n, *hwgj):
+                hw, g, j = hwgj[:rank], hwgj[rank], hwgj[rank + 1]
+                value = x[fmt.place(n, tuple(wi.at(h, k) for wi, h, k in zip(win, hw, r)), g * cg + c)] \
+                    * dy[fmt.place(n, hw, g * og + j)]
+                return Where(value, (o, g * og + j))
+            return Sum(body, names=("n",) + sp + ("g", "j"), sizes={"g": groups, "j": og})
         return Out(out, kr + ("c", "o"))
     return Program(program, meta={1: MetaKind.OUTPUT_SHAPE})
 

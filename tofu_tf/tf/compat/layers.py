@@ -7,6 +7,8 @@ Each function changes layers of the model it is given and returns what it change
   LayerNormalization through ``FusedBatchNormV3``, which DTensor has no layout propagation
   for; the unfused formulation (moments + batch_normalization) computes the same.
 * ``average_pool_as_mean``: non-overlapping average pooling as reshape + mean (no ``AvgPoolGrad``).
+* ``depthwise_as_grouped_conv``: depthwise and separable convolutions as grouped convolutions
+  (``tofu_tf.tf.compat.depthwise``: no ``DepthwiseConv2dNativeBackpropFilter``).
 * ``rnn_unrolled``: Keras runs a recurrence as a ``While`` loop over a TensorList, which
   DTensor cannot expand; with a static sequence length the loop is unrolled (``unroll=True``),
   the same cell applied per step.
@@ -28,6 +30,7 @@ import types
 import tensorflow as tf
 
 from tofu_tf.tf import keras_adapter
+from tofu_tf.tf.compat import depthwise
 from tofu_tf.tf.compat.registry import Applied, change
 
 
@@ -49,6 +52,9 @@ def prepare_layers(model) -> list[Applied]:
         if kind in ("AveragePooling2D", "AvgPool2D") and _non_overlapping(layer):
             layer.call = types.MethodType(_mean_pool_2d, layer)
             changes.append(Applied(change("average_pool_as_mean"), path, "pooling as reshape+mean"))
+        grouped = depthwise.rewrite_depthwise(path, layer)
+        if grouped is not None:
+            changes.append(grouped)
         if hasattr(layer, "unroll") and hasattr(layer, "cell") and not layer.unroll:
             _refuse_unrollable(path, layer)
             _unroll(layer, wrapped_steps[id(layer)] if id(layer) in wrapped_steps else _timesteps(layer))

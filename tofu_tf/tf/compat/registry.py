@@ -32,6 +32,7 @@ class Scope(enum.Enum):
     CREATION = "during variable creation"  # while one variable is made, on the calling thread only
     CALL = "during a step call"          # while a step program is called, on the calling thread only
     TRACE = "while a step is traced"     # while the function passed to strategy.run is traced, its graph/thread only
+    MODEL_CALL = "during a model call"   # while the strategy's model is called (traced), on the calling thread only
     PROCESS = "process-wide"             # every model in the process, while a TofuStrategy is alive
     READ = "read only"                   # a private attribute read, nothing changed
 
@@ -110,6 +111,18 @@ CHANGES: tuple[Change, ...] = (
         scope=Scope.LAYER, undone=_LIFETIME,
         why="DTensor has no layout propagation for AvgPoolGrad",
         packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.layers"),
+    Change(
+        name="depthwise_as_grouped_conv",
+        replaces="DepthwiseConv1D/2D and SeparableConv1D/2D call (channels_last) with the depthwise "
+                 "convolution as a grouped Conv2D (filter reshaped to (kh, kw, 1, C*m))",
+        targets=("tf_keras.layers:DepthwiseConv2D.call", "keras.layers:DepthwiseConv2D.call",
+                 "tf_keras.layers:SeparableConv2D.call", "keras.layers:SeparableConv2D.call",
+                 "tf_keras.layers:DepthwiseConv1D.call", "keras.layers:DepthwiseConv1D.call",
+                 "tf_keras.layers:SeparableConv1D.call", "keras.layers:SeparableConv1D.call"),
+        scope=Scope.LAYER, undone=_LIFETIME,
+        why="DTensor has no layout propagation for DepthwiseConv2dNativeBackpropFilter/BackpropInput "
+            "(nor SpaceToBatchND); a grouped Conv2D computes the same, bit for bit on one CPU",
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.depthwise"),
     Change(
         name="rnn_unrolled",
         replaces="RNN (LSTM, GRU, SimpleRNN, Keras 3 ConvLSTM): unroll=True, tf-keras "
@@ -191,6 +204,15 @@ CHANGES: tuple[Change, ...] = (
         why="a SavedModel traced on the mesh holds Relayout ops and DTensor variables, which one device "
             "and TF Serving cannot run; it is made from a one-device copy",
         packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.strategies.export"),
+    Change(
+        name="new_axis_slices_spelled_out",
+        replaces="the model's call, run under tensor_getitem_spelled_out (every layer it calls slices new axes "
+                 "with every axis named: t[:, None] as t[:, None, :]), tensor_arrays_as_lists and scans_unrolled",
+        targets=("tf_keras:Model.call", "keras:Model.call"),
+        scope=Scope.MODEL, undone=_LIFETIME,
+        why="DTensor's StridedSlice layout inference reads the wrong axis for axes a spec leaves implicit after "
+            "a new axis (a segfault or garbage, in every layout); keras-hub XLNet's segment matrix slices so",
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.slices"),
     # -- per optimizer ----------------------------------------------------------------------------
     Change(
         name="optimizer_adopted",
@@ -345,6 +367,32 @@ CHANGES: tuple[Change, ...] = (
                                   "error; other threads see the original",
         why="DTensor has no layout propagation for Roll (Swin's shifted windows)",
         packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
+    Change(
+        name="tensor_getitem_spelled_out",
+        replaces="tf.Tensor.__getitem__ (on the class) while a prepared model's call runs: a spec with a new axis "
+                 "names every axis",
+        targets=("tensorflow.python.framework.tensor:Tensor.__getitem__",),
+        scope=Scope.MODEL_CALL, undone="on return of the model's call, also on error; other threads see the original",
+        why="the slices of new_axis_slices_spelled_out: a layer slices a tensor with TensorFlow's own __getitem__",
+        packages=("tensorflow",), site="tofu_tf.tf.compat.slices"),
+    Change(
+        name="tensor_arrays_as_lists",
+        replaces="tf.TensorArray.__init__ (on the class) while a prepared model's call runs: a TensorArray of "
+                 "static size is TensorFlow's eager, list-backed implementation (subclassed: static indices only)",
+        targets=("tensorflow.python.ops.tensor_array_ops:TensorArray.__init__",
+                 "tensorflow.python.ops.tensor_array_ops:_EagerTensorArray"),
+        scope=Scope.MODEL_CALL, undone="on return of the model's call, also on error; other threads see the original",
+        why="a graph TensorArray is a TensorList, which DTensor cannot lay out even replicated; keras-hub RWKV-7 "
+            "writes its unrolled recurrence's outputs into one",
+        packages=("tensorflow",), site="tofu_tf.tf.compat.tensor_arrays"),
+    Change(
+        name="scans_unrolled",
+        replaces="tensorflow.python.ops.functional_ops.scan (what tf.scan calls) while a prepared model's call "
+                 "runs: a scan over a static number of elements as a Python loop and a stack",
+        targets=("tensorflow.python.ops.functional_ops:scan",),
+        scope=Scope.MODEL_CALL, undone="on return of the model's call, also on error; other threads see the original",
+        why="a scan runs as a While loop over TensorLists, which DTensor cannot lay out even replicated",
+        packages=("tensorflow",), site="tofu_tf.tf.compat.scans"),
     # -- process-wide ---------------------------------------------------------------------------
     Change(
         name="dtensor_all_reduces_uncombined",

@@ -1,0 +1,188 @@
+"""Depthwise and separable convolutions (``tofu_tf.tf.compat.depthwise``): computed as grouped
+convolutions, they compute what one device computes and train under TofuStrategy.
+
+Before, every model with a ``DepthwiseConv2D`` or ``SeparableConv2D`` (EfficientNet, MobileNet,
+Xception, ConvNeXt) failed in its first step, under any plan, with DTensor's own
+"'tf.DepthwiseConv2dNativeBackpropFilter' op does not implement layout propagation".
+"""
+
+import keras as keras3
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from tofu_tf.strategies import TofuStrategy
+from tofu_tf.tf.compat import depthwise
+
+BATCH, STEPS = 8, 3
+
+
+@pytest.mark.parametrize("strides, dilation, padding", [
+    ((1, 1), (1, 1), "same"), ((2, 2), (1, 1), "same"), ((2, 1), (1, 1), "valid"), ((1, 1), (2, 2), "same"),
+    ((1, 1), (1, 3), "valid")])
+def test_a_grouped_convolution_computes_the_depthwise_one(strides, dilation, padding):
+    """Output and both gradients, on one device, against ``tf.nn.depthwise_conv2d``: the same
+    bits (the dilated filter gradient sums in another order: 1e-6 relative)."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(4, 9, 10, 3)).astype("float32"))
+    kernel = tf.constant(rng.normal(size=(3, 3, 3, 2)).astype("float32"))
+
+    def run(conv):
+        with tf.GradientTape() as tape:
+            tape.watch([x, kernel])
+            y = conv()
+            loss = tf.reduce_sum(y * y)
+        return (y, *tape.gradient(loss, [x, kernel]))
+    want = run(lambda: tf.nn.depthwise_conv2d(x, kernel, (1, *strides, 1), padding.upper(), dilations=dilation))
+    got = run(lambda: depthwise.depthwise_as_grouped_conv(x, kernel, strides=strides, padding=padding,
+                                                          dilation_rate=dilation))
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6, atol=1e-6 * np.abs(w.numpy()).max())
+
+
+def _model(keras, one_d=False):
+    keras.utils.set_random_seed(7)
+    if one_d:
+        inputs = keras.Input((12, 4))
+        x = keras.layers.Conv1D(8, 3, padding="same", name="c1")(inputs)
+        x = keras.layers.DepthwiseConv1D(3, padding="same", depth_multiplier=2, name="dw")(x)
+        x = keras.layers.SeparableConv1D(8, 3, strides=2, padding="valid", activation="relu", name="sep")(x)
+        x = keras.layers.GlobalAveragePooling1D()(x)
+    else:
+        inputs = keras.Input((8, 8, 4))
+        x = keras.layers.Conv2D(8, 3, padding="same", name="c1")(inputs)
+        x = keras.layers.DepthwiseConv2D(3, padding="same", depth_multiplier=2, activation="relu", name="dw")(x)
+        x = keras.layers.DepthwiseConv2D(3, strides=2, padding="valid", use_bias=False, name="dw_strided")(x)
+        x = keras.layers.SeparableConv2D(8, 3, dilation_rate=2, padding="same", name="sep")(x)
+        x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
+
+
+def _data(model):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * STEPS, *model.input_shape[1:])).astype("float32")
+    return x, rng.integers(0, 4, BATCH * STEPS).astype("int32")
+
+
+def _compile(keras, model):
+    model.compile(optimizer=keras.optimizers.SGD(0.05),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+@pytest.mark.parametrize("one_d", [False, True], ids=["2d", "1d"])
+@pytest.mark.parametrize("keras", [tf_keras, keras3], ids=["tf_keras", "keras3"])
+def test_depthwise_and_separable_layers_train_as_one_device(keras, one_d):
+    reference = _model(keras, one_d)
+    initial = reference.get_weights()
+    _compile(keras, reference)
+    x, y = _data(reference)
+    want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = _model(keras, one_d)
+        model.set_weights(initial)
+        _compile(keras, model)
+    got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for g, w in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    rewritten = sorted(a.target.rsplit("/", 1)[-1] for a in strategy.changes
+                       if a.change.name == "depthwise_as_grouped_conv")
+    assert rewritten == (["dw", "sep"] if one_d else ["dw", "dw_strided", "sep"])
+    np.testing.assert_allclose(model.predict(x, batch_size=BATCH, verbose=0),
+                               reference.predict(x, batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-5)
+
+
+def test_the_rewrite_keeps_what_it_cannot_express():
+    """channels_first, and a stride with a dilation, keep the layer's own call."""
+    first = keras3.layers.DepthwiseConv2D(3, data_format="channels_first")
+    both = keras3.layers.SeparableConv1D(4, 3, strides=2, dilation_rate=2)
+    plain = keras3.layers.Conv2D(4, 3)
+    assert [depthwise.rewrite_depthwise("x", layer) for layer in (first, both, plain)] == [None] * 3
+    assert "call" not in vars(first) and "call" not in vars(both)
+
+
+def _efficientnet():
+    import keras_hub
+    keras3.utils.set_random_seed(3)
+    backbone = keras_hub.models.EfficientNetBackbone(
+        stackwise_width_coefficients=[1.0] * 2, stackwise_depth_coefficients=[1.0] * 2,
+        stackwise_kernel_sizes=[3, 3], stackwise_num_repeats=[1, 1], stackwise_input_filters=[8, 8],
+        stackwise_output_filters=[8, 16], stackwise_expansion_ratios=[1, 2],
+        stackwise_squeeze_and_excite_ratios=[0.25, 0.25], stackwise_strides=[1, 2],
+        stackwise_block_types=["v1", "v1"], stackwise_force_input_filters=[0, 0],
+        stackwise_nores_option=[False, False], input_shape=(16, 16, 3), dropout=0.0, num_features=32)
+    return keras_hub.models.EfficientNetImageClassifier(backbone=backbone, num_classes=4, preprocessor=None,
+                                                        dropout=0.0)
+
+
+def _xception():
+    import keras_hub
+    keras3.utils.set_random_seed(3)
+    backbone = keras_hub.models.XceptionBackbone(stackwise_conv_filters=[[8, 8], [16, 16], [16, 16]],
+                                                 stackwise_pooling=[True, True, False], image_shape=(16, 16, 3))
+    pooled = keras3.layers.GlobalAveragePooling2D()(backbone.output)
+    return keras3.Model(backbone.input, keras3.layers.Dense(4, name="head")(pooled))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [_efficientnet, _xception], ids=["efficientnet", "xception"])
+def test_keras_hub_depthwise_backbones_train_as_one_device(build):
+    """Tiny keras-hub nets (random weights, no download): EfficientNet (a DepthwiseConv2D in every
+    MBConv block, BatchNormalization, squeeze-and-excite) and Xception (SeparableConv2D).
+    SGD with momentum, 3 steps."""
+    reference = build()
+    initial = reference.get_weights()
+    _compile(keras3, reference)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * STEPS, 16, 16, 3)).astype("float32")
+    y = rng.integers(0, 4, BATCH * STEPS).astype("int32")
+    want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = build()
+        model.set_weights(initial)
+        _compile(keras3, model)
+    got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    assert any(a.change.name == "depthwise_as_grouped_conv" for a in strategy.changes)
+
+
+_WITHOUT_ONEDNN = """
+from tofu_tf.tf import devices
+devices.configure_virtual_cpus(8)
+import numpy as np
+import keras
+from tofu_tf.search import UnsupportedOpError
+from tofu_tf.strategies import TofuStrategy
+from tofu_tf.tf.compat import depthwise
+assert not depthwise.grouped_gradients_run()
+strategy = TofuStrategy(8)
+with strategy.scope():
+    inputs = keras.Input((6, 6, 4))
+    x = keras.layers.GlobalAveragePooling2D()(keras.layers.DepthwiseConv2D(3, name="dw")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    model.compile(optimizer="sgd", loss="mse")
+try:
+    model.fit(np.ones((8, 6, 6, 4), "float32"), np.ones((8, 2), "float32"), batch_size=8, verbose=0)
+except UnsupportedOpError as error:
+    print("REFUSED", str(error).replace(chr(10), " "))
+"""
+
+
+def test_without_grouped_gradient_kernels_the_depthwise_layer_is_refused_by_name():
+    """TensorFlow's own CPU kernels (oneDNN off) have no grouped-convolution gradients: the layer
+    keeps its depthwise call and the strategy refuses its gradient before the first step."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_ONEDNN], cwd=root, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": root, "TF_ENABLE_ONEDNN_OPTS": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REFUSED" in out.stdout and "DepthwiseConv2dNativeBackpropFilter" in out.stdout, out.stdout[-2000:]
+    assert "Keras layer 'dw'" in out.stdout and "keras.layers.DepthwiseConv2D" in out.stdout

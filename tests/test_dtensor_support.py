@@ -1,0 +1,148 @@
+"""The ops DTensor cannot lay out, derived by probing (``tofu_tf.search.dtensor_support``,
+``bench/dtensor_support.py``), and the strategy refusing them before the first step.
+
+Before, the list was written by hand and missed ``TensorListStack`` (a ``tf.scan`` in
+keras-hub RWKV-7), ``DepthwiseConv2dNativeBackpropFilter`` (a layer's own depthwise
+convolution) and ``BatchMatMulV3`` (an int8 matmul): each failed inside the first step
+with DTensor's ``UnknownError`` ("op does not implement layout propagation") instead of
+a refusal naming the layer.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras as keras3
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tofu_tf import semantics
+from tofu_tf.search import UnsupportedOpError, dtensor_support, targets
+from tofu_tf.strategies import TofuStrategy
+from tofu_tf.tf.capture import capture_training_step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BATCH = 8
+
+
+def test_the_table_covers_every_described_op_type_and_was_derived_on_this_tensorflow():
+    """A newly described op type has no outcome until the table is derived again; a TensorFlow
+    upgrade asks for that too (``python bench/dtensor_support.py --write``)."""
+    table = dtensor_support.load()
+    described = set(semantics.default_registry().op_types())
+    assert described - set(table.ops) == set(), "described op types the table has not probed"
+    assert set(table.ops) - described == set(table.sweep)
+    assert all(set(per) == set(table.layouts) for per in table.ops.values())
+    assert table.tensorflow == tf.__version__, (
+        f"the table was derived on TensorFlow {table.tensorflow}, this is {tf.__version__}: "
+        "run python bench/dtensor_support.py --write and review the diff")
+
+
+def test_the_ops_the_hand_written_list_missed_are_derived():
+    refused = targets.NO_LAYOUT_PROPAGATION
+    assert {"TensorListStack", "MatrixDiagV3", "DepthwiseConv2dNativeBackpropFilter", "BatchMatMulV3"} <= refused
+    assert not refused & {"MatMul", "BatchMatMulV2", "Conv2D", "Conv2DBackpropFilter", "While", "SelectV2"}
+
+
+def _same(recorded: dict, probed: dict) -> bool:
+    """Outcomes agree; a crash seen in only some runs agrees with what the other runs give."""
+    if "intermittent" in (recorded["outcome"], probed["outcome"]):
+        return True
+    return (recorded["outcome"], recorded.get("refuses")) == (probed["outcome"], probed.get("refuses"))
+
+
+@pytest.mark.slow
+def test_probing_again_gives_the_checked_in_table(tmp_path):
+    """Fails when TensorFlow changes what DTensor lays out (an op gains or loses a rule): the
+    message names the ops and how to derive the table again. Every probe runs in child
+    processes; a segfault is an outcome."""
+    out = tmp_path / "probed.json"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "dtensor_support.py"), f"--out={out}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=1200,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr[-3000:]
+    probed = json.loads(out.read_text())["ops"]
+    with open(dtensor_support.TABLE_PATH, encoding="utf-8") as handle:
+        recorded = json.load(handle)["ops"]
+    changed = {f"{key}@{layout}": (recorded[key][layout], probed[key][layout])
+               for key in recorded for layout in recorded[key] if not _same(recorded[key][layout], probed[key][layout])}
+    assert not changed, ("DTensor lays these ops out otherwise than the checked-in table says; review and run "
+                         f"python bench/dtensor_support.py --write:\n{json.dumps(changed, indent=1)}")
+
+
+# -- refused before the first step, naming the op, its layer and what to do -----------------------
+
+class _Scan(keras3.layers.Layer):
+    """A running sum over the sequence, as a recurrence written with tf.scan (RWKV's time mixing)."""
+
+    def call(self, x):
+        return tf.transpose(tf.scan(lambda acc, step: acc * 0.5 + step, tf.transpose(x, (1, 0, 2))), (1, 0, 2))
+
+
+class _MapFn(keras3.layers.Layer):
+    """Each example through its own small function, with tf.map_fn (a While loop over TensorArrays)."""
+
+    def call(self, x):
+        return tf.map_fn(lambda row: tf.math.cumsum(row, axis=0), x)
+
+
+class _OwnDepthwise(keras3.layers.Layer):
+    """A depthwise convolution through keras.ops, not keras.layers.DepthwiseConv2D."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(3, 3, shape[-1], 1), initializer="glorot_uniform")
+
+    def call(self, x):
+        return keras3.ops.depthwise_conv(x, self.kernel, padding="same")
+
+
+class _Int8Matmul(keras3.layers.Layer):
+    """An int8 matmul of the features with themselves (as an int8-quantized layer computes)."""
+
+    def call(self, x):
+        q = tf.cast(tf.clip_by_value(tf.round(x * 10.0), -127.0, 127.0), tf.int8)
+        return x + tf.cast(tf.linalg.matmul(q, q, transpose_b=True, output_type=tf.int32)[:, :, :1], tf.float32)
+
+
+def _refused(layer, shape, match):
+    keras3.utils.set_random_seed(7)
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        inputs = keras3.Input(shape)
+        x = keras3.layers.Dense(shape[-1], name="d1")(inputs)
+        x = keras3.layers.Flatten()(layer(x))
+        model = keras3.Model(inputs, keras3.layers.Dense(4, name="head")(x))
+        model.compile(optimizer=keras3.optimizers.SGD(0.05),
+                      loss=keras3.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(BATCH, *shape)).astype("float32"), rng.integers(0, 4, BATCH).astype("int32")
+    with pytest.raises(UnsupportedOpError, match=match):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_a_loop_over_tensor_arrays_in_a_layer_is_refused_naming_the_layer():
+    """The strategy's strict check refuses a tf.map_fn's TensorListStack by name (a tf.scan of static
+    length it unrolls, tests/test_scans.py); so does it a scan's on a step captured without the strategy."""
+    _refused(_MapFn(name="per_row"), (6, 4),
+             r"TensorListStack '[^']*' \(Keras layer 'per_row', from a tf\.while_loop, tf\.scan.*unroll the loop")
+    keras3.utils.set_random_seed(7)
+    inputs = keras3.Input((6, 4))
+    model = keras3.Model(inputs, keras3.layers.Dense(4, name="head")(
+        keras3.layers.Flatten()(_Scan(name="time_mix")(keras3.layers.Dense(4, name="d1")(inputs)))))
+    graph = capture_training_step(model, batch_size=BATCH, loss="mse", optimizer="sgd")
+    with pytest.raises(UnsupportedOpError, match=r"TensorListStack '[^']*' \(Keras layer 'time_mix', from a "
+                                                 r"tf\.while_loop, tf\.scan.*unroll the loop"):
+        targets.check_lowerable(graph, targets.Target.DTENSOR, exempt=frozenset())
+
+
+def test_a_layers_own_depthwise_convolution_is_refused_naming_the_layer():
+    _refused(_OwnDepthwise(name="own_dw"), (6, 6, 4),
+             r"DepthwiseConv2dNativeBackprop(Filter|Input) '[^']*' \(Keras layer 'own_dw'.*"
+             r"keras\.layers\.DepthwiseConv2D")
+
+
+def test_an_int8_matmul_is_refused_naming_the_layer():
+    _refused(_Int8Matmul(name="int8"), (4, 4), r"BatchMatMulV3 '[^']*' \(Keras layer 'int8'.*quantize it after")

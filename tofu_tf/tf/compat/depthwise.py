@@ -1,0 +1,120 @@
+"""Depthwise and separable convolution layers computed as grouped convolutions.
+
+This module owns the change "depthwise_as_grouped_conv": the ``call`` of Keras'
+``DepthwiseConv1D``/``DepthwiseConv2D`` and ``SeparableConv1D``/``SeparableConv2D``
+layers (tf-keras and Keras 3), replaced on the layer by one computing the same with
+a grouped ``Conv2D``. It touches nothing else: other convolutions, and depthwise
+convolutions a layer calls itself (``keras.ops.depthwise_conv``), are left as they
+are (the plan refuses the latter before the first step, ``tofu_tf.search.targets``).
+
+Why: TF 2.21's DTensor has no layout propagation for ``DepthwiseConv2dNativeBackpropFilter``
+nor ``DepthwiseConv2dNativeBackpropInput`` (a depthwise convolution's gradients), not
+even replicated, and none for the ``SpaceToBatchND`` a dilated one is built with: every
+EfficientNet-, MobileNet-, Xception- or ConvNeXt-style net failed in its first step,
+under any plan. A depthwise convolution with multiplier ``m`` over ``C`` channels is the
+convolution with ``C`` groups whose filter is the depthwise filter reshaped from
+``(kh, kw, C, m)`` to ``(kh, kw, 1, C*m)``: output channel ``c*m + j`` of both reads input
+channel ``c`` through filter ``[:, :, c, j]``. ``Conv2D`` with groups and its two
+gradients are expanded by DTensor replicated and batch-split (``tests/test_depthwise.py``
+probes both); on one CPU its outputs and gradients are bit-identical to the depthwise
+kernels' (dilated: the filter gradient within 1e-6 relative). keras-hub's MobileNet
+writes its depthwise convolutions that way itself (``Conv2D(groups=...)``).
+
+Only ``channels_last`` layers are rewritten, and not one with both a stride and a
+dilation above 1 (Keras 3 decomposes that case itself); the rest keep their call.
+The layer's weights, config and saved form are unchanged.
+
+TensorFlow's CPU kernels for a grouped convolution's gradients are oneDNN's (on by default on
+x86); TensorFlow's own raise "Gradients for grouped convolutions are not supported on CPU"
+(``TF_ENABLE_ONEDNN_OPTS=0``). Where no GPU is visible and the CPU cannot compute them
+(``grouped_gradients_run``, probed once on two tiny tensors), the layers keep their call, and
+the strategy refuses the depthwise gradient before the first step, naming the layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import tensorflow as tf
+from absl import logging
+
+from tofu_tf.tf.compat.registry import Applied, change
+
+DEPTHWISE_LAYERS = frozenset({"DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D"})
+
+
+def rewrite_depthwise(path: str, layer) -> Applied | None:
+    """Replace ``layer.call`` by its grouped-convolution form when ``layer`` is a depthwise
+    or separable convolution this module can rewrite; the record of the change, or None."""
+    if not _rewritable(layer):
+        return None
+    if not grouped_gradients_run():
+        logging.warning("TofuStrategy: %s: left a depthwise convolution: this CPU has no kernel for a grouped "
+                        "convolution's gradients (TF_ENABLE_ONEDNN_OPTS=0?)", path)
+        return None
+    layer.call = types.MethodType(_grouped_call, layer)
+    layer._tofu_grouped = True  # pylint: disable=protected-access
+    return Applied(change("depthwise_as_grouped_conv"), path, "depthwise convolution as a grouped Conv2D")
+
+
+@functools.lru_cache(maxsize=1)
+def grouped_gradients_run() -> bool:
+    """Whether this process can compute a grouped convolution's input gradient: on a GPU (cuDNN),
+    or on a CPU whose kernels are oneDNN's. Probed once, eagerly, outside any function."""
+    if tf.config.list_logical_devices("GPU"):
+        return True
+    with tf.init_scope(), tf.device("/CPU:0"):
+        try:
+            tf.raw_ops.Conv2DBackpropInput(input_sizes=[1, 2, 2, 2], filter=tf.ones((1, 1, 1, 2)),
+                                           out_backprop=tf.ones((1, 2, 2, 2)), strides=[1, 1, 1, 1], padding="SAME")
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError):
+            return False
+    return True
+
+
+def _rewritable(layer) -> bool:
+    kinds = {cls.__name__ for cls in type(layer).__mro__}
+    if not kinds & DEPTHWISE_LAYERS or getattr(layer, "_tofu_grouped", False):
+        return False
+    if getattr(layer, "data_format", "channels_last") != "channels_last":
+        return False
+    strides, dilation = tuple(layer.strides), tuple(layer.dilation_rate)
+    return not (max(strides) > 1 and max(dilation) > 1)
+
+
+def depthwise_as_grouped_conv(inputs, kernel, *, strides, padding: str, dilation_rate):
+    """``tf.nn.depthwise_conv2d`` (NHWC) computed by a grouped ``tf.nn.conv2d``.
+
+    ``inputs``: ``(batch, height, width, C)``; ``kernel``: ``(kh, kw, C, m)``; ``strides``
+    and ``dilation_rate``: two ints each; ``padding``: ``"same"`` or ``"valid"``."""
+    kh, kw, channels, multiplier = kernel.shape
+    filters = tf.reshape(kernel, (kh, kw, 1, channels * multiplier))
+    return tf.nn.conv2d(inputs, filters, strides=(1, *strides, 1), padding=padding.upper(),
+                        dilations=(1, *dilation_rate, 1))
+
+
+def _grouped_call(layer, inputs):
+    """The layer's call (depthwise, then the pointwise kernel of a separable layer, bias,
+    activation) with the depthwise convolution as a grouped one. A 1-D layer runs as a
+    2-D one over a height of 1, as Keras runs it."""
+    one_d = inputs.shape.rank == 3
+    depthwise = getattr(layer, "depthwise_kernel", None)
+    depthwise = tf.convert_to_tensor(layer.kernel if depthwise is None else depthwise)
+    strides, dilation = tuple(layer.strides), tuple(layer.dilation_rate)
+    if one_d:
+        inputs, depthwise = tf.expand_dims(inputs, 1), tf.expand_dims(depthwise, 0)
+        strides, dilation = (1, *strides), (1, *dilation)
+    outputs = depthwise_as_grouped_conv(inputs, depthwise, strides=strides, padding=layer.padding,
+                                        dilation_rate=dilation)
+    pointwise = getattr(layer, "pointwise_kernel", None)
+    if pointwise is not None:
+        pointwise = tf.convert_to_tensor(pointwise)
+        if one_d:
+            pointwise = tf.expand_dims(pointwise, 0)
+        outputs = tf.nn.conv2d(outputs, pointwise, strides=(1, 1, 1, 1), padding="VALID")
+    if one_d:
+        outputs = tf.squeeze(outputs, 1)
+    if layer.use_bias:
+        outputs = tf.nn.bias_add(outputs, tf.convert_to_tensor(layer.bias))
+    return outputs if layer.activation is None else layer.activation(outputs)
