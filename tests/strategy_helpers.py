@@ -182,3 +182,19 @@ def assert_trained_alike(model, reference, loss, expected, *, rtol=1e-5, atol=1e
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+def model_around_a_sequence_layer(keras_module, layer):
+    """Dense -> ``layer`` (a layer of a (5, 4) sequence) -> Flatten -> Dense head, seeded: the
+    model the recurrence tests (TensorArrays, scans) train beside one device."""
+    keras_module.utils.set_random_seed(7)
+    inputs = keras_module.Input((5, 4))
+    x = keras_module.layers.Flatten()(layer(keras_module.layers.Dense(4, name="d1")(inputs)))
+    return keras_module.Model(inputs, keras_module.layers.Dense(4, name="head")(x))
+
+
+def compile_with_momentum(keras_module, model):
+    """SGD with momentum and a sparse cross-entropy on logits; the model, for chaining."""
+    model.compile(optimizer=keras_module.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras_module.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model

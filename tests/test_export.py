@@ -183,7 +183,8 @@ def test_unrolled_rnn_config_says_what_the_user_built():
     model = tf_keras.Sequential([tf_keras.Input((5, 4)), tf_keras.layers.LSTM(8, name="lstm")])
     changes = keras_hooks.prepare_for_dtensor(model)
     assert model.layers[0].unroll is True and model.layers[0].get_config()["unroll"] is False
-    assert [applied.change.name for applied in changes] == ["rnn_unrolled", "savedmodel_from_copy"]
+    assert [applied.change.name for applied in changes] == ["rnn_unrolled", "new_axis_slices_spelled_out",
+                                                         "savedmodel_from_copy"]
 
 
 @pytest.mark.parametrize("framework", ["tf_keras", "keras"])

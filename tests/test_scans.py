@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from tests import strategy_helpers as helpers
 from tofu_tf.strategies import TofuStrategy
 from tofu_tf.tf.compat import scans
 
@@ -51,16 +52,10 @@ def _layer(keras):
 
 
 def _model(keras):
-    keras.utils.set_random_seed(7)
-    inputs = keras.Input((5, 4))
-    x = keras.layers.Flatten()(_layer(keras)(keras.layers.Dense(4, name="d1")(inputs)))
-    return keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
+    return helpers.model_around_a_sequence_layer(keras, _layer(keras))
 
 
-def _compile(keras, model):
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+_compile = helpers.compile_with_momentum
 
 
 @pytest.mark.parametrize("keras", [tf_keras, keras3], ids=["tf_keras", "keras3"])
