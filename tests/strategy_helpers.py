@@ -198,3 +198,24 @@ def compile_with_momentum(keras_module, model):
     model.compile(optimizer=keras_module.optimizers.SGD(0.05, momentum=0.9),
                   loss=keras_module.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
+
+
+def fit_beside_one_device(build, compile_fn, x, y, *, rtol=1e-6, atol=1e-6):
+    """One epoch of ``build()`` on one device and under ``TofuStrategy(8)``, planned from the
+    first batch (the weights set to the reference's initial ones inside the scope); asserts the
+    losses (rtol) and the weights (rtol, atol) equal. (strategy, model, reference)."""
+    from tofu_tf.strategies import TofuStrategy
+    reference = build()
+    initial = reference.get_weights()
+    compile_fn(reference)
+    want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = build()
+        model.set_weights(initial)
+        compile_fn(model)
+    got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=rtol)
+    for g, w in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+    return strategy, model, reference

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tofu_tf.strategies import TofuStrategy
+from tests import strategy_helpers as helpers
 from tofu_tf.tf.compat import depthwise
 
 BATCH, STEPS = 8, 3
@@ -74,20 +74,9 @@ def _compile(keras, model):
 @pytest.mark.parametrize("one_d", [False, True], ids=["2d", "1d"])
 @pytest.mark.parametrize("keras", [tf_keras, keras3], ids=["tf_keras", "keras3"])
 def test_depthwise_and_separable_layers_train_as_one_device(keras, one_d):
-    reference = _model(keras, one_d)
-    initial = reference.get_weights()
-    _compile(keras, reference)
-    x, y = _data(reference)
-    want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
-    strategy = TofuStrategy(8)
-    with strategy.scope():
-        model = _model(keras, one_d)
-        model.set_weights(initial)
-        _compile(keras, model)
-    got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    for g, w in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    x, y = _data(_model(keras, one_d))
+    strategy, model, reference = helpers.fit_beside_one_device(
+        lambda: _model(keras, one_d), lambda m: _compile(keras, m), x, y)
     rewritten = sorted(a.target.rsplit("/", 1)[-1] for a in strategy.changes
                        if a.change.name == "depthwise_as_grouped_conv")
     assert rewritten == (["dw", "sep"] if one_d else ["dw", "dw_strided", "sep"])
@@ -133,22 +122,10 @@ def test_keras_hub_depthwise_backbones_train_as_one_device(build):
     """Tiny keras-hub nets (random weights, no download): EfficientNet (a DepthwiseConv2D in every
     MBConv block, BatchNormalization, squeeze-and-excite) and Xception (SeparableConv2D).
     SGD with momentum, 3 steps."""
-    reference = build()
-    initial = reference.get_weights()
-    _compile(keras3, reference)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH * STEPS, 16, 16, 3)).astype("float32")
     y = rng.integers(0, 4, BATCH * STEPS).astype("int32")
-    want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
-    strategy = TofuStrategy(8)
-    with strategy.scope():
-        model = build()
-        model.set_weights(initial)
-        _compile(keras3, model)
-    got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for g, w in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    strategy, _, _ = helpers.fit_beside_one_device(build, lambda m: _compile(keras3, m), x, y, rtol=1e-5, atol=1e-5)
     assert any(a.change.name == "depthwise_as_grouped_conv" for a in strategy.changes)
 
 

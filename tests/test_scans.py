@@ -12,7 +12,6 @@ import tensorflow as tf
 import tf_keras
 
 from tests import strategy_helpers as helpers
-from tofu_tf.strategies import TofuStrategy
 from tofu_tf.tf.compat import scans
 
 BATCH, STEPS = 8, 3
@@ -63,15 +62,4 @@ def test_a_layer_with_a_scan_trains_as_one_device(keras):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH * STEPS, 5, 4)).astype("float32")
     y = rng.integers(0, 4, BATCH * STEPS).astype("int32")
-    reference = _compile(keras, _model(keras))
-    initial = reference.get_weights()
-    want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
-    strategy = TofuStrategy(8)
-    with strategy.scope():
-        model = _model(keras)
-        model.set_weights(initial)
-        _compile(keras, model)
-    got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    for g, w in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    helpers.fit_beside_one_device(lambda: _model(keras), lambda m: _compile(keras, m), x, y)

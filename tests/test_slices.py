@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tofu_tf.strategies import TofuStrategy
+from tests import strategy_helpers as helpers
 from tofu_tf.tf.compat import slices
 
 BATCH, STEPS = 8, 3
@@ -67,24 +67,12 @@ def _model(keras):
 
 @pytest.mark.parametrize("keras", [tf_keras, keras3], ids=["tf_keras", "keras3"])
 def test_a_layer_slicing_a_new_axis_trains_as_one_device(keras):
-    reference = _model(keras)
-    initial = reference.get_weights()
     compile_ = lambda m: m.compile(optimizer=keras.optimizers.SGD(0.05),  # noqa: E731
                                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    compile_(reference)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH * STEPS, 6)).astype("float32")
     y = rng.integers(0, 4, BATCH * STEPS).astype("int32")
-    want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
-    strategy = TofuStrategy(8)
-    with strategy.scope():
-        model = _model(keras)
-        model.set_weights(initial)
-        compile_(model)
-    got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    for g, w in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    strategy, model, _ = helpers.fit_beside_one_device(lambda: _model(keras), compile_, x, y)
     assert [a.target for a in strategy.changes if a.change.name == "new_axis_slices_spelled_out"] == [model.name]
 
 
@@ -106,17 +94,5 @@ def test_keras_hub_xlnet_trains_as_one_device():
     y = rng.integers(0, 64, (n, 8)).astype("int32")
     compile_ = lambda m: m.compile(optimizer=keras3.optimizers.SGD(0.05, momentum=0.9),  # noqa: E731
                                    loss=keras3.losses.SparseCategoricalCrossentropy(from_logits=True))
-    reference = _xlnet()
-    initial = reference.get_weights()
-    compile_(reference)
-    want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
-    strategy = TofuStrategy(8)
-    with strategy.scope():
-        model = _xlnet()
-        model.set_weights(initial)
-        compile_(model)
-    got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for g, w in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    strategy, _, _ = helpers.fit_beside_one_device(_xlnet, compile_, x, y, rtol=1e-5, atol=1e-5)
     assert any(a.change.name == "new_axis_slices_spelled_out" for a in strategy.changes)

@@ -14,7 +14,6 @@ import tensorflow as tf
 import tf_keras
 
 from tests import strategy_helpers as helpers
-from tofu_tf.strategies import TofuStrategy
 from tofu_tf.tf.compat import tensor_arrays
 
 BATCH, STEPS = 8, 3
@@ -72,27 +71,12 @@ def _model(keras):
 _compile = helpers.compile_with_momentum
 
 
-def _fit(model, x, y):
-    return model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
-
-
 @pytest.mark.parametrize("keras", [tf_keras, keras3], ids=["tf_keras", "keras3"])
 def test_a_layer_writing_a_tensor_array_trains_as_one_device(keras):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH * STEPS, 5, 4)).astype("float32")
     y = rng.integers(0, 4, BATCH * STEPS).astype("int32")
-    reference = _model(keras)
-    initial = reference.get_weights()
-    want = _fit(_compile(keras, reference), x, y)
-    strategy = TofuStrategy(8)
-    with strategy.scope():
-        model = _model(keras)
-        model.set_weights(initial)
-        _compile(keras, model)
-    got = _fit(model, x, y)
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    for g, w in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    helpers.fit_beside_one_device(lambda: _model(keras), lambda m: _compile(keras, m), x, y)
 
 
 def _rwkv():
@@ -110,15 +94,4 @@ def test_keras_hub_rwkv7_trains_as_one_device():
     n = BATCH * STEPS
     x = {"token_ids": rng.integers(1, 64, (n, 8)).astype("int32"), "padding_mask": np.ones((n, 8), "int32")}
     y = rng.integers(0, 64, (n, 8)).astype("int32")
-    reference = _rwkv()
-    initial = reference.get_weights()
-    want = _fit(_compile(keras3, reference), x, y)
-    strategy = TofuStrategy(8)
-    with strategy.scope():
-        model = _rwkv()
-        model.set_weights(initial)
-        _compile(keras3, model)
-    got = _fit(model, x, y)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for g, w in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    helpers.fit_beside_one_device(_rwkv, lambda m: _compile(keras3, m), x, y, rtol=1e-5, atol=1e-5)
