@@ -302,13 +302,15 @@ class EpochInTrace:
 
 def in_graph_loop() -> bool:
     """Whether the graph being traced is the body of a loop the graph runs (``tf.range`` under
-    AutoGraph, ``tf.while_loop``), inside the outermost ``tf.function``."""
+    AutoGraph, ``tf.while_loop``), inside the outermost ``tf.function``. TF-private: the body's
+    graph class (the read "while_body_graph_read", ``tofu_tf.tf.compat.registry``)."""
+    from tensorflow.python.ops import control_flow_v2_func_graphs
     graph = tf.compat.v1.get_default_graph()
-    while hasattr(getattr(graph, "outer_graph", None), "capture_call_time_value"):
-        if type(graph).__name__ == "WhileBodyFuncGraph":
+    while graph is not None:
+        if isinstance(graph, control_flow_v2_func_graphs.WhileBodyFuncGraph):
             return True
-        graph = graph.outer_graph
-    return type(graph).__name__ == "WhileBodyFuncGraph"
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 class PendingLoopValue:

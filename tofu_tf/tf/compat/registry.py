@@ -536,6 +536,15 @@ CHANGES: tuple[Change, ...] = (
         why="a loaded module's method reads variables off the mesh, which a DTensor program cannot read: "
             "strategy.run runs it once per device instead, and refuses it when it writes a variable",
         packages=("tensorflow",), site="tofu_tf.strategies.tofu_strategy"),
+    Change(
+        name="while_body_graph_read",
+        replaces="nothing: reads whether a graph being traced is a while loop's body (its class, "
+                 "WhileBodyFuncGraph, in the chain of outer graphs)",
+        targets=("tensorflow.python.ops.control_flow_v2_func_graphs:WhileBodyFuncGraph",),
+        scope=Scope.READ, undone="nothing to undo",
+        why="a batch taken in a loop the graph runs (Orbit's tf.range around strategy.run) must be read each "
+            "iteration from a DTensor iterator, not captured once as an input of the function",
+        packages=("tensorflow",), site="tofu_tf.strategies.traced_batches"),
 )
 
 
