@@ -8,7 +8,7 @@ from tofu_tf.mesh import MeshSpec
 from tofu_tf.semantics.strategy import REPLICATED, Reduction, TensorSplit
 
 S0, S1, P = TensorSplit(0), TensorSplit(1), TensorSplit(partial=Reduction.SUM)
-LINK = Link(bandwidth=1e9, latency=1e-6)
+LINK = Link(bandwidth=1e9, latency=1e-6, gathers_by_all_reduce=False)   # ring collectives
 
 
 @pytest.mark.parametrize("src,dst,kind", [
@@ -29,14 +29,31 @@ def test_ring_bytes_and_seconds():
     assert transfer(S0, REPLICATED, nbytes, 1, LINK) is None
 
 
+def test_dtensor_gathers_and_reduce_scatters_are_priced_as_the_all_reduces_it_runs():
+    """DTensor lowers an all-gather to an all-reduce of the zero-padded gathered tensor and a
+    reduce-scatter to an all-reduce and a slice (bench/executed.py reads so in its program): a
+    DTensor link prices them as that all-reduce, with the relayout's own kind."""
+    dtensor = Link(bandwidth=1e9, latency=1e-6)
+    n, nbytes = 4, 1000.0
+    all_reduce = transfer(P, REPLICATED, nbytes, n, dtensor)
+    for src, dst, kind in ((S0, REPLICATED, Collective.ALL_GATHER), (P, S0, Collective.REDUCE_SCATTER)):
+        moved = transfer(src, dst, nbytes, n, dtensor)
+        assert moved.kind == kind
+        assert (moved.bytes, moved.seconds) == (all_reduce.bytes, all_reduce.seconds)
+        assert moved.bytes == 2 * transfer(src, dst, nbytes, n, LINK).bytes
+    assert transfer(S0, S1, nbytes, n, dtensor) == transfer(S0, S1, nbytes, n, LINK)
+    for name in PROFILES:
+        assert profile(name).intra_node.gathers_by_all_reduce and profile(name).inter_node.gathers_by_all_reduce
+
+
 def test_latency_per_collective_is_paid_once_whatever_the_group():
     """DTensor on CPU: one executor call per collective, so group size does not multiply latency."""
-    per_call = Link(bandwidth=1e9, latency=1e-3, latency_per_collective=True)
+    per_call = Link(bandwidth=1e9, latency=1e-3, latency_per_collective=True, gathers_by_all_reduce=False)
     for n in (2, 4, 8):
         ar = transfer(P, REPLICATED, 1000.0, n, per_call)
         assert ar.seconds == pytest.approx(1e-3 + 2 * (n - 1) / n * 1000 / 1e9)
         assert ar.bytes == transfer(P, REPLICATED, 1000.0, n, LINK).bytes
-    ring = Link(bandwidth=1e9, latency=1e-3)
+    ring = Link(bandwidth=1e9, latency=1e-3, gathers_by_all_reduce=False)
     assert transfer(S0, REPLICATED, 0.5, 8, ring).seconds == pytest.approx(7e-3 + 0.5 * 7 / 8 / 1e9)
 
 

@@ -82,3 +82,15 @@ def test_the_opt_in_creates_devices_over_the_bound():
 @pytest.mark.slow   # starts TensorFlow in a fresh Python
 def test_eight_devices_are_made_on_any_host():
     assert "cpu devices: 8" in _request(8, "devices.provide_devices(count)")
+
+
+def test_a_gpu_split_into_logical_gpus_counts_as_that_many(monkeypatch):
+    """One large GPU split into 8 logical GPUs (bench/gpu_check.py) gives 8 devices, not a fallback
+    to virtual CPUs; an unsplit GPU counts as one. (The machine has no GPU: TF's two answers are
+    stood in for.)"""
+    import tensorflow as tf
+    split, whole = object(), object()
+    configurations = {split: [tf.config.LogicalDeviceConfiguration(memory_limit=1024)] * 8, whole: None}
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: [split, whole] if kind == "GPU" else [])
+    monkeypatch.setattr(tf.config, "get_logical_device_configuration", lambda device: configurations[device])
+    assert devices.visible_gpu_count() == 9

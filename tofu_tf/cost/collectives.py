@@ -19,6 +19,15 @@ size it has when replicated on this axis). Seconds are ``steps * latency +
 bytes / bandwidth`` of the axis's link, or ``latency + bytes / bandwidth`` on a
 link that pays its latency once per collective (``Link.latency_per_collective``:
 DTensor on CPU).
+
+What DTensor runs differs from the table for two kinds: outside TPUs it lowers
+an all-gather to an all-reduce of a zero-padded buffer of the gathered size, and
+a reduce-scatter to an all-reduce followed by a local slice (TensorFlow's
+``tensorflow/dtensor/mlir/collectives.cc``; ``bench/executed.py`` reads them in
+the program it compiles). A link that runs them so
+(``Link.gathers_by_all_reduce``, every built-in profile) prices both kinds as
+an all-reduce of ``B``: ``2 (n-1)/n * B`` bytes in ``2 (n-1)`` steps. The kind
+reported stays the relayout the plan asks for.
 """
 
 from __future__ import annotations
@@ -74,9 +83,14 @@ _STEPS = {
 }
 
 
+# The kinds DTensor runs as an all-reduce on a link with ``gathers_by_all_reduce``.
+_RUN_AS_ALL_REDUCE = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)
+
+
 def collective_cost(kind: Collective, nbytes: float, n: int, link: Link) -> Transfer:
-    moved = _BYTES_FACTOR[kind](n) * nbytes
-    steps = 1 if link.latency_per_collective else _STEPS[kind](n)
+    runs_as = Collective.ALL_REDUCE if link.gathers_by_all_reduce and kind in _RUN_AS_ALL_REDUCE else kind
+    moved = _BYTES_FACTOR[runs_as](n) * nbytes
+    steps = 1 if link.latency_per_collective else _STEPS[runs_as](n)
     return Transfer(kind, moved, steps * link.latency + moved / link.bandwidth)
 
 

@@ -33,11 +33,18 @@ class Link:
     hardly grows with the group (bench/calibrate_cpu.py: 2-3 ms for a 4 KiB
     all-gather over 2, 4 or 8 devices alike); ``latency_per_collective=True``
     charges ``latency`` once per collective for such links.
+
+    DTensor runs an all-gather as an all-reduce of a zero-padded buffer and a
+    reduce-scatter as an all-reduce and a slice, on GPUs and CPUs alike
+    (``tofu_tf.cost.collectives``); ``gathers_by_all_reduce=True``, the default,
+    prices them so. ``False`` prices the ring collectives of the table there
+    (a runtime with native gathers, or Tofu's ideal).
     """
 
     bandwidth: float
     latency: float
     latency_per_collective: bool = False
+    gathers_by_all_reduce: bool = True
 
     def __post_init__(self):
         if self.bandwidth <= 0 or self.latency < 0:

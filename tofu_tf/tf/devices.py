@@ -78,19 +78,27 @@ def provide_devices(num_devices: int) -> DeviceSet:
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     cluster = cluster_lib.from_environment()
-    gpus = tf.config.list_physical_devices("GPU")
-    device_type = "GPU" if len(gpus) >= num_devices else "CPU"
+    gpus = visible_gpu_count()
+    device_type = "GPU" if gpus >= num_devices else "CPU"
     if device_type == "CPU":
         check_virtual_cpu_count(num_devices)
         logging.warning(
             "%d GPU(s) visible, %d requested: using %d virtual CPU devices instead.",
-            len(gpus), num_devices, num_devices)
+            gpus, num_devices, num_devices)
     if cluster.is_multi_client:
         join_cluster(cluster, device_type, num_devices)
     elif device_type == "CPU":
         configure_virtual_cpus(num_devices)
     return DeviceSet(device_type, tuple(f"{device_type}:{i}" for i in range(num_devices)),
                      virtual=device_type == "CPU", cluster=cluster)
+
+
+def visible_gpu_count() -> int:
+    """The GPUs this process can place on: each physical GPU counts as the logical GPUs it
+    was split into (``tf.config.set_logical_device_configuration``, e.g. one large GPU as
+    8 devices of a memory limit each, as ``bench/gpu_check.py`` does), else as one."""
+    return sum(len(tf.config.get_logical_device_configuration(gpu) or [gpu])
+               for gpu in tf.config.list_physical_devices("GPU"))
 
 
 def join_cluster(cluster: cluster_lib.Cluster, device_type: str, num_devices: int) -> None:

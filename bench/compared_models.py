@@ -1,0 +1,68 @@
+"""The models ``bench/vs_mirrored.py`` and ``bench/executed.py`` measure, by name: the reference
+models of ``tofu_tf.models`` at sizes where the choice of plan shows, and the keras-hub families of
+``tofu_tf.hub_models`` (small configurations, random weights), each with its data."""
+
+from __future__ import annotations
+
+import dataclasses
+
+HUB_WIDTH = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model to measure: how to build it (called inside a strategy's scope) and its data."""
+    name: str
+    build: object            # () -> keras.Model, not compiled
+    data: object             # (samples) -> (x, y) numpy arrays
+
+
+def _classes(x, n=10):
+    import numpy as np
+    return x, np.random.default_rng(1).integers(0, n, size=(len(x),)).astype("int32")
+
+
+def _tokens(n, seq_len, vocab):
+    import numpy as np
+    tokens = np.random.default_rng(0).integers(0, vocab, size=(n, seq_len)).astype("int32")
+    return tokens, np.roll(tokens, -1, axis=1)
+
+
+def _normal(*shape):
+    import numpy as np
+    return np.random.default_rng(0).normal(size=shape).astype("float32")
+
+
+def reference_models() -> dict:
+    from tofu_tf import models
+    return {
+        # A 2 x 1024 MLP: sharding it pays on 8 CPUs.
+        "mlp": Model("mlp", lambda: models.mlp(input_dim=256, width=1024, depth=2),
+                     lambda n: _classes(_normal(n, 256))),
+        # A small conv net with batch normalization.
+        "cnn": Model("cnn", lambda: models.cnn(image_size=16, channels=8),
+                     lambda n: _classes(_normal(n, 16, 16, 3))),
+        "gpt": Model("gpt", lambda: models.gpt(num_layers=2, seq_len=32, vocab_size=256),
+                     lambda n: _tokens(n, 32, 256)),
+    }
+
+
+def hub_models() -> dict:
+    from tofu_tf import hub_models as hub
+    return {name: Model(name, lambda family=family: family.build(HUB_WIDTH),
+                        lambda n, family=family: hub.data(family, n))
+            for name, family in hub.FAMILIES.items()}
+
+
+def all_models() -> dict:
+    return {**reference_models(), **hub_models()}
+
+
+def compile_for_training(model, optimizer="adam"):
+    """Compiles ``model`` with its own Keras (tf-keras for the reference models, Keras 3 for
+    keras-hub's) and a sparse cross-entropy on logits; returns that Keras module."""
+    import keras
+    import tf_keras
+    api = tf_keras if isinstance(model, tf_keras.Model) else keras
+    model.compile(optimizer=optimizer, loss=api.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return api

@@ -1,0 +1,40 @@
+"""What DTensor runs, read from the program it compiles (bench/executed.py), against the plan.
+
+Each measurement trains a model two steps in a fresh process with TensorFlow's MLIR dumps on and
+reads the training step's collectives back."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.slow
+
+
+def _table(*models):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "executed.py"), f"--models={','.join(models)}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    rows = {}
+    for line in out.stdout.splitlines():
+        cells = line.split()
+        if cells and cells[0] in models:
+            rows[(cells[0], cells[1])] = cells
+    return out, rows
+
+
+def test_a_sharded_mlp_runs_the_one_all_reduce_its_plan_prices():
+    """A 2 x 1024 MLP split Megatron-style: one all-reduce of the second layer's partial sums,
+    executed with the bytes the cost model gives it, and the state placed as modeled."""
+    out, rows = _table("mlp")
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    count, expressed, modeled, gap = rows[("mlp", "all-reduce")][2:6]
+    assert count == "1" and float(expressed) == pytest.approx(float(modeled), rel=1e-6)
+    runs = rows[("mlp", "runs")]                       # "runs (lowered)": what DTensor's lowering left
+    assert runs[3] == "1" and " ".join(runs[7:]) == "1 all-reduce"
+    assert float(runs[4]) == pytest.approx(float(runs[5]), rel=1e-6)
+    assert rows[("mlp", "state/device")][4] == "0%"
