@@ -44,6 +44,7 @@ from bench import compared_models  # noqa: E402
 flags.DEFINE_list("models", ["mlp", "gpt", "cnn", "llama", "bert", "mixtral"], "Models to measure.")
 flags.DEFINE_float("tolerance", 0.1, "Largest relative gap between executed and modeled figures.")
 flags.DEFINE_integer("batch_size", 16, "Global batch size.")
+flags.DEFINE_string("method", "tofu", "TofuStrategy's planning method (tofu, data_parallel, ...).")
 flags.DEFINE_integer("num_devices", 8, "Devices (virtual CPUs when no GPU is visible).")
 flags.DEFINE_string("run_model", None, "Internal: train --run_model here and print the plan's figures as JSON.")
 FLAGS = flags.FLAGS
@@ -132,7 +133,7 @@ def _run_here():
     from tofu_tf.strategies import TofuStrategy
     spec = compared_models.all_models()[FLAGS.run_model]
     x, y = spec.data(2 * FLAGS.batch_size)
-    strategy = TofuStrategy(FLAGS.num_devices, plan_cache=False)
+    strategy = TofuStrategy(FLAGS.num_devices, plan_cache=False, method=FLAGS.method)
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = spec.build()
@@ -163,7 +164,8 @@ def _measure(name: str) -> dict:
         env = {**os.environ, "TF_DUMP_GRAPH_PREFIX": dump_dir, "TF_CPP_VMODULE": "dtensor_mlir_passes=4",
                "TF_CPP_MIN_LOG_LEVEL": "0"}
         out = subprocess.run([sys.executable, os.path.abspath(__file__), f"--run_model={name}",
-                              f"--batch_size={FLAGS.batch_size}", f"--num_devices={FLAGS.num_devices}"],
+                              f"--batch_size={FLAGS.batch_size}", f"--num_devices={FLAGS.num_devices}",
+                              f"--method={FLAGS.method}"],
                              env=env, capture_output=True, text=True, timeout=1800)
         lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
         if out.returncode or not lines:
