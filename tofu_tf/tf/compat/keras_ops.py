@@ -20,6 +20,18 @@ step on the mesh is traced.
   dim, which DTensor lays out as it lays out any slice (the batch split stays where it is); the
   values are the same. A shift or axis given as a tensor, or a roll of the flattened tensor
   (``axis=None``), keeps ``tf.roll``.
+* ``one_hot_as_equal``: ``keras.ops.one_hot`` is ``tf.one_hot`` (the op ``OneHot``). DTensor's
+  OneHot expander mis-shapes its output where layout propagation carries a split onto the
+  one-hot (depth) axis from the ops after it: a mixture-of-experts router (keras-hub Qwen3-MoE)
+  one-hot encodes the experts it picked and weights the experts' outputs, whose expert axis the
+  plan splits, by the result, and the first step failed ("SPMD expansion resulted in op output
+  inconsistent with the provided layout. Expected shape: <64,2,16> got shape: <64,2,4>", after
+  "non-broadcastable operands"); the planner keeps the depth axis whole, but DTensor propagates
+  its consumers' layout into the op. The replacement compares the indices with ``range(depth)``
+  (``Equal`` of the indices, a new trailing axis, and a ``Range``; then a ``Cast``), which DTensor
+  lays out element-wise in any layout; the values are the same bits (1 where the index is the
+  class, else 0; an index out of range gives a row of zeros, as ``tf.one_hot``). A sparse one-hot,
+  or one along another axis than the last, keeps ``tf.one_hot``.
 """
 
 from __future__ import annotations
@@ -95,17 +107,38 @@ def roll_as_slices(original, x, shift, axis=None):
     return x
 
 
+def _keras3_one_hot():
+    import sys
+    if "keras" not in sys.modules:
+        return None
+    from keras.src.backend.tensorflow import nn as keras_nn
+    return keras_nn, "one_hot"
+
+
+def one_hot_as_equal(original, x, num_classes, axis=-1, dtype=None, sparse=False):
+    """``keras.ops.one_hot(x, num_classes, dtype=dtype)`` as ``Equal(x[..., None], range(num_classes))``
+    cast to ``dtype`` (float32 by default); ``original(...)`` for a sparse one-hot or another axis."""
+    x = tf.convert_to_tensor(x)
+    if sparse or axis not in (-1, x.shape.rank) or not x.dtype.is_integer:
+        return original(x, num_classes, axis=axis, dtype=dtype, sparse=sparse)
+    classes = tf.range(num_classes, dtype=x.dtype)
+    hit = tf.equal(tf.expand_dims(x, -1), classes)
+    return hit if dtype == "bool" else tf.cast(hit, dtype or "float32")
+
+
+_ONE_HOT = patching.ThreadScopedPatch(change("one_hot_as_equal"), _keras3_one_hot)
 _ROLL = patching.ThreadScopedPatch(change("roll_as_slices"), _keras3_roll)
 _SLICE_UPDATE = patching.ThreadScopedPatch(change("slice_update_as_select"), _keras3_slice_update)
 
 
 @contextlib.contextmanager
 def dtensor_expandable_ops() -> Iterator[None]:
-    """While active, this thread's Keras 3 ``ops.slice_update`` and ``ops.roll`` calls build ops
+    """While active, this thread's Keras 3 ``ops.slice_update``, ``ops.roll`` and ``ops.one_hot`` calls build ops
     DTensor can lay out (the module docstring says why). Without Keras 3 imported, nothing changes."""
     if _keras3_slice_update() is None:
         yield
         return
     with _SLICE_UPDATE.active(lambda original, inputs, start_indices, updates:
-                              slice_update_as_select(inputs, start_indices, updates)), _ROLL.active(roll_as_slices):
+                              slice_update_as_select(inputs, start_indices, updates)), _ROLL.active(roll_as_slices), \
+            _ONE_HOT.active(one_hot_as_equal):
         yield

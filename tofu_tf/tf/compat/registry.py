@@ -368,6 +368,16 @@ CHANGES: tuple[Change, ...] = (
         why="DTensor has no layout propagation for Roll (Swin's shifted windows)",
         packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
     Change(
+        name="one_hot_as_equal",
+        replaces="Keras 3's TensorFlow backend one_hot (the module function), written as an Equal of the "
+                 "indices with range(depth), cast, on the tracing thread",
+        targets=("keras.src.backend.tensorflow.nn:one_hot",),
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
+                                  "error; other threads see the original",
+        why="DTensor's OneHot expander mis-shapes its output when propagation splits the one-hot axis "
+            "(keras-hub Qwen3-MoE's expert router, whose experts the plan splits)",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
+    Change(
         name="tensor_getitem_spelled_out",
         replaces="tf.Tensor.__getitem__ (on the class) while a prepared model's call runs: a spec with a new axis "
                  "names every axis",
@@ -408,11 +418,13 @@ CHANGES: tuple[Change, ...] = (
         name="dtensor_replicated_ops",
         replaces="the environment switches DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_<OP> for the ops of "
                  "tofu_tf.tf.compat.decoding.REPLICATED_OPS, set to 1 when a TofuStrategy first runs a decoding "
-                 "program and the user has not set them (read by DTensor at each compile)",
+                 "program, and for those of tofu_tf.search.targets.ENROLLED_REPLICATED when it plans a step holding "
+                 "one, where the user has not set them (read by DTensor at each compile)",
         targets=("tensorflow.dtensor.python.dtensor_device:DTensorDevice",),
         scope=Scope.PROCESS, undone="never: the switch only lets DTensor compile a program it refused",
         why="DTensor has no layout propagation for StatelessMultinomial (keras.random.categorical, the top-k "
-            "sampler's draw); enrolled, DTensor runs it replicated and draws one device's values",
+            "sampler's draw) nor MatrixDiagV3 (a tf.eye too large to fold: keras-hub Qwen3.5's gated delta "
+            "rule); enrolled, DTensor runs them replicated (one device's draws and values)",
         packages=("tensorflow",), site="tofu_tf.tf.compat.decoding"),
     Change(
         name="summary_before_plan",
