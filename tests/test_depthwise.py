@@ -84,6 +84,53 @@ def test_depthwise_and_separable_layers_train_as_one_device(keras, one_d):
                                reference.predict(x, batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-5)
 
 
+class _OwnDepthwise(keras3.layers.Layer):
+    """A layer calling ``keras.ops.depthwise_conv`` itself, as keras-hub Qwen3.5's gated delta net
+    convolves its projections causally (``_causal_conv1d``: pad, then a 1-D depthwise convolution)."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(3,) * (len(shape) - 2) + (shape[-1], 1), initializer="glorot_uniform")
+
+    def call(self, x):
+        if x.shape.rank == 3:
+            x = keras3.ops.pad(x, [[0, 0], [2, 0], [0, 0]])
+        return keras3.ops.depthwise_conv(x, self.kernel, padding="valid")
+
+
+def _own_depthwise_model(one_d):
+    keras3.utils.set_random_seed(7)
+    inputs = keras3.Input((12, 4) if one_d else (8, 8, 4))
+    x = _OwnDepthwise(name="own_dw")(keras3.layers.Dense(8, name="d1")(inputs))
+    pooled = (keras3.layers.GlobalAveragePooling1D() if one_d else keras3.layers.GlobalAveragePooling2D())(x)
+    return keras3.Model(inputs, keras3.layers.Dense(4, name="head")(pooled))
+
+
+@pytest.mark.parametrize("one_d", [False, True], ids=["2d", "1d"])
+def test_a_layers_own_keras_depthwise_conv_trains_as_one_device(one_d):
+    """Before, the strategy refused the layer's DepthwiseConv2dNativeBackpropFilter before the first
+    step (keras-hub Qwen3.5-MoE's linear attention); its call now computes the grouped convolution
+    (``depthwise_op_as_grouped_conv``), and only while the model is called."""
+    from keras.src.backend.tensorflow import nn as keras_nn
+    own = keras_nn.depthwise_conv
+    x, y = _data(_own_depthwise_model(one_d))
+    strategy, model, reference = helpers.fit_beside_one_device(
+        lambda: _own_depthwise_model(one_d), lambda m: _compile(keras3, m), x, y)
+    np.testing.assert_allclose(model.predict(x, batch_size=BATCH, verbose=0),
+                               reference.predict(x, batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-5)
+    assert keras_nn.depthwise_conv is own          # Keras' own outside the model's call
+
+
+@pytest.mark.parametrize("strides, dilation, one_d", [(1, 1, True), (2, 1, True), (1, 2, False), ((2, 1), 1, False)])
+def test_a_keras_depthwise_conv_by_groups_is_keras_own(strides, dilation, one_d):
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(2, 9, 4) if one_d else (2, 9, 10, 4)).astype("float32"))
+    kernel = tf.constant(rng.normal(size=(3, 4, 2) if one_d else (3, 3, 4, 2)).astype("float32"))
+    want = keras3.ops.depthwise_conv(x, kernel, strides=strides, padding="same", dilation_rate=dilation)
+    with depthwise.depthwise_ops_as_grouped():
+        got = keras3.ops.depthwise_conv(x, kernel, strides=strides, padding="same", dilation_rate=dilation)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_the_rewrite_keeps_what_it_cannot_express():
     """channels_first, and a stride with a dilation, keep the layer's own call."""
     first = keras3.layers.DepthwiseConv2D(3, data_format="channels_first")

@@ -358,7 +358,8 @@ def _refusal(op_type: str) -> str:
 _REMEDIES = {
     "TensorListStack": "unroll the loop in Python over a static length (TofuStrategy unrolls a Keras RNN layer and "
                        "a tf.scan of static length itself), or compute the recurrence outside the training step",
-    "DepthwiseConv2dNativeBackpropFilter": "use keras.layers.DepthwiseConv2D or SeparableConv2D (TofuStrategy runs "
+    "DepthwiseConv2dNativeBackpropFilter": "use keras.layers.DepthwiseConv2D or SeparableConv2D, or "
+                                           "keras.ops.depthwise_conv (channels_last; TofuStrategy runs "
                                            "them as grouped convolutions, where the CPU has oneDNN's grouped "
                                            "gradients: leave TF_ENABLE_ONEDNN_OPTS on, or train on GPUs), or a "
                                            "grouped keras.layers.Conv2D (groups=channels)",

@@ -32,6 +32,16 @@ step on the mesh is traced.
   lays out element-wise in any layout; the values are the same bits (1 where the index is the
   class, else 0; an index out of range gives a row of zeros, as ``tf.one_hot``). A sparse one-hot,
   or one along another axis than the last, keeps ``tf.one_hot``.
+* ``top_k_gradient_by_comparison``: ``keras.ops.top_k`` is ``tf.math.top_k`` (``TopKV2``), whose
+  gradient scatters the values' gradient into the input's flattened shape at global flat positions
+  (``ScatterNd``). Where the input is split over the batch (a router's tokens, data parallel),
+  DTensor's propagation splits the scatter's output like the rest of the batch, and its ScatterNd
+  expander indexes each shard with the global positions: keras-hub Qwen3.5-MoE's first step failed
+  ("indices[127] = [253] does not index into shape [32]"). The replacement keeps ``TopKV2`` forward
+  and computes its gradient as ``sum_k dvalues[..., k] * (indices[..., k] == range(n))``, an
+  element-wise product and a sum over ``k`` DTensor lays out in any layout; the top-k indices of a
+  row are distinct, so each input position receives its one gradient plus zeros: the same bits. An
+  integer input keeps ``tf.math.top_k``.
 """
 
 from __future__ import annotations
@@ -126,6 +136,36 @@ def one_hot_as_equal(original, x, num_classes, axis=-1, dtype=None, sparse=False
     return hit if dtype == "bool" else tf.cast(hit, dtype or "float32")
 
 
+def _keras3_top_k():
+    import sys
+    if "keras" not in sys.modules:
+        return None
+    from keras.src.backend.tensorflow import math as keras_math
+    return keras_math, "top_k"
+
+
+def top_k_gradient_by_comparison(original, x, k, sorted=True):  # pylint: disable=redefined-builtin
+    """``tf.math.top_k(x, k, sorted)``, its gradient with respect to ``x`` computed by comparing the
+    indices with ``range(n)`` instead of scattering (see the module docstring); ``original(...)``
+    for an integer ``x``."""
+    x = tf.convert_to_tensor(x)
+    if not x.dtype.is_floating:
+        return original(x, k, sorted=sorted)
+
+    @tf.custom_gradient
+    def top_k(x):
+        values, indices = tf.math.top_k(x, k, sorted=sorted)
+
+        def gradient(dvalues, *unused):
+            if dvalues is None:
+                return tf.zeros_like(x)
+            hit = tf.equal(tf.expand_dims(indices, -1), tf.range(tf.shape(x, out_type=indices.dtype)[-1]))
+            return tf.reduce_sum(tf.cast(hit, dvalues.dtype) * tf.expand_dims(dvalues, -1), axis=-2)
+        return (values, indices), gradient
+    return top_k(x)
+
+
+_TOP_K = patching.ThreadScopedPatch(change("top_k_gradient_by_comparison"), _keras3_top_k)
 _ONE_HOT = patching.ThreadScopedPatch(change("one_hot_as_equal"), _keras3_one_hot)
 _ROLL = patching.ThreadScopedPatch(change("roll_as_slices"), _keras3_roll)
 _SLICE_UPDATE = patching.ThreadScopedPatch(change("slice_update_as_select"), _keras3_slice_update)
@@ -133,12 +173,12 @@ _SLICE_UPDATE = patching.ThreadScopedPatch(change("slice_update_as_select"), _ke
 
 @contextlib.contextmanager
 def dtensor_expandable_ops() -> Iterator[None]:
-    """While active, this thread's Keras 3 ``ops.slice_update``, ``ops.roll`` and ``ops.one_hot`` calls build ops
+    """While active, this thread's Keras 3 ``ops.slice_update``, ``ops.roll``, ``ops.one_hot`` and ``ops.top_k`` calls build ops
     DTensor can lay out (the module docstring says why). Without Keras 3 imported, nothing changes."""
     if _keras3_slice_update() is None:
         yield
         return
     with _SLICE_UPDATE.active(lambda original, inputs, start_indices, updates:
                               slice_update_as_select(inputs, start_indices, updates)), _ROLL.active(roll_as_slices), \
-            _ONE_HOT.active(one_hot_as_equal):
+            _ONE_HOT.active(one_hot_as_equal), _TOP_K.active(top_k_gradient_by_comparison):
         yield

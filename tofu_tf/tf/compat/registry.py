@@ -207,7 +207,8 @@ CHANGES: tuple[Change, ...] = (
     Change(
         name="new_axis_slices_spelled_out",
         replaces="the model's call, run under tensor_getitem_spelled_out (every layer it calls slices new axes "
-                 "with every axis named: t[:, None] as t[:, None, :]), tensor_arrays_as_lists and scans_unrolled",
+                 "with every axis named: t[:, None] as t[:, None, :]), tensor_arrays_as_lists, scans_unrolled and "
+                 "depthwise_op_as_grouped_conv",
         targets=("tf_keras:Model.call", "keras:Model.call"),
         scope=Scope.MODEL, undone=_LIFETIME,
         why="DTensor's StridedSlice layout inference reads the wrong axis for axes a spec leaves implicit after "
@@ -378,6 +379,16 @@ CHANGES: tuple[Change, ...] = (
             "(keras-hub Qwen3-MoE's expert router, whose experts the plan splits)",
         packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
     Change(
+        name="top_k_gradient_by_comparison",
+        replaces="Keras 3's TensorFlow backend top_k (the module function), its gradient computed by comparing the "
+                 "indices with range(n) instead of TopKV2's ScatterNd, on the tracing thread",
+        targets=("keras.src.backend.tensorflow.math:top_k",),
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
+                                  "error; other threads see the original",
+        why="DTensor's ScatterNd expander indexes a batch-split shard with global positions (keras-hub "
+            "Qwen3.5-MoE's router gradient, data parallel)",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
+    Change(
         name="tensor_getitem_spelled_out",
         replaces="tf.Tensor.__getitem__ (on the class) while a prepared model's call runs: a spec with a new axis "
                  "names every axis",
@@ -403,6 +414,15 @@ CHANGES: tuple[Change, ...] = (
         scope=Scope.MODEL_CALL, undone="on return of the model's call, also on error; other threads see the original",
         why="a scan runs as a While loop over TensorLists, which DTensor cannot lay out even replicated",
         packages=("tensorflow",), site="tofu_tf.tf.compat.scans"),
+    Change(
+        name="depthwise_op_as_grouped_conv",
+        replaces="Keras 3's TensorFlow backend depthwise_conv (the module function) while a prepared model's call "
+                 "runs: channels_last, 1-D or 2-D, as a grouped Conv2D (depthwise_as_grouped_conv's)",
+        targets=("keras.src.backend.tensorflow.nn:depthwise_conv",),
+        scope=Scope.MODEL_CALL, undone="on return of the model's call, also on error; other threads see the original",
+        why="DTensor has no layout propagation for DepthwiseConv2dNativeBackpropFilter/BackpropInput; a layer "
+            "calls keras.ops.depthwise_conv itself (keras-hub Qwen3.5's gated delta net)",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.depthwise"),
     # -- process-wide ---------------------------------------------------------------------------
     Change(
         name="dtensor_all_reduces_uncombined",
