@@ -42,6 +42,15 @@ step on the mesh is traced.
   element-wise product and a sum over ``k`` DTensor lays out in any layout; the top-k indices of a
   row are distinct, so each input position receives its one gradient plus zeros: the same bits. An
   integer input keeps ``tf.math.top_k``.
+* ``split_as_slices``: ``keras.ops.split`` is ``tf.split`` (``Split``/``SplitV``), whose DTensor
+  expander refuses an input split along the axis it cuts ("Spliting over sharded dimension is not
+  supported"). The planner never gives a Split such an input (``tofu_tf.search.targets``) and
+  prices the relayout before it, but DTensor's propagation carries the layout of the op before
+  (an expert bank's ``einsum`` whose kernel the plan splits on that axis) into the Split: keras-hub
+  Qwen-MoE's experts (``ops.split(gate_up, 2, axis=-1)``) failed in their first step on a
+  batch x model mesh. The replacement takes each section as a slice of that axis, which DTensor's
+  slice expander lays out by gathering the axis first: the relayout the plan priced, the same values.
+  Sections or indices given as tensors, or an axis of unknown size, keep ``tf.split``.
 """
 
 from __future__ import annotations
@@ -165,6 +174,41 @@ def top_k_gradient_by_comparison(original, x, k, sorted=True):  # pylint: disabl
     return top_k(x)
 
 
+def _keras3_split():
+    import sys
+    if "keras" not in sys.modules:
+        return None
+    from keras.src.backend.tensorflow import numpy as keras_numpy
+    return keras_numpy, "split"
+
+
+def split_as_slices(original, x, indices_or_sections, axis=0):
+    """``keras.ops.split(x, indices_or_sections, axis)`` as slices of ``x`` along ``axis`` where the
+    dim's size and the sections or indices are static; ``original(...)`` otherwise."""
+    x = tf.convert_to_tensor(x)
+    rank = x.shape.rank
+    size = x.shape[axis] if rank else None
+    if size is None:
+        return original(x, indices_or_sections, axis=axis)
+    if isinstance(indices_or_sections, int):
+        if indices_or_sections <= 0 or size % indices_or_sections:
+            return original(x, indices_or_sections, axis=axis)
+        bounds = [size * i // indices_or_sections for i in range(indices_or_sections + 1)]
+    else:
+        indices = _static_ints(tuple(indices_or_sections)) if isinstance(indices_or_sections, (list, tuple)) else None
+        if indices is None or any(not 0 <= i <= size for i in indices) or list(indices) != sorted(indices):
+            return original(x, indices_or_sections, axis=axis)
+        bounds = [0, *indices, size]
+    dim = axis % rank
+    pieces = []
+    for start, stop in zip(bounds, bounds[1:]):
+        spec = [slice(None)] * rank
+        spec[dim] = slice(start, stop)
+        pieces.append(x[tuple(spec)])
+    return pieces
+
+
+_SPLIT = patching.ThreadScopedPatch(change("split_as_slices"), _keras3_split)
 _TOP_K = patching.ThreadScopedPatch(change("top_k_gradient_by_comparison"), _keras3_top_k)
 _ONE_HOT = patching.ThreadScopedPatch(change("one_hot_as_equal"), _keras3_one_hot)
 _ROLL = patching.ThreadScopedPatch(change("roll_as_slices"), _keras3_roll)
@@ -173,12 +217,13 @@ _SLICE_UPDATE = patching.ThreadScopedPatch(change("slice_update_as_select"), _ke
 
 @contextlib.contextmanager
 def dtensor_expandable_ops() -> Iterator[None]:
-    """While active, this thread's Keras 3 ``ops.slice_update``, ``ops.roll``, ``ops.one_hot`` and ``ops.top_k`` calls build ops
+    """While active, this thread's Keras 3 ``ops.slice_update``, ``ops.roll``, ``ops.one_hot``, ``ops.top_k`` and ``ops.split`` calls build ops
     DTensor can lay out (the module docstring says why). Without Keras 3 imported, nothing changes."""
     if _keras3_slice_update() is None:
         yield
         return
     with _SLICE_UPDATE.active(lambda original, inputs, start_indices, updates:
                               slice_update_as_select(inputs, start_indices, updates)), _ROLL.active(roll_as_slices), \
-            _ONE_HOT.active(one_hot_as_equal), _TOP_K.active(top_k_gradient_by_comparison):
+            _ONE_HOT.active(one_hot_as_equal), _TOP_K.active(top_k_gradient_by_comparison), \
+            _SPLIT.active(split_as_slices):
         yield

@@ -389,6 +389,16 @@ CHANGES: tuple[Change, ...] = (
             "Qwen3.5-MoE's router gradient, data parallel)",
         packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
     Change(
+        name="split_as_slices",
+        replaces="Keras 3's TensorFlow backend split (the module function), written as slices of the axis for "
+                 "static sections, on the tracing thread",
+        targets=("keras.src.backend.tensorflow.numpy:split",),
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
+                                  "error; other threads see the original",
+        why="DTensor's Split expander refuses an input split along its axis, which propagation gives it from "
+            "the op before (keras-hub Qwen-MoE's expert bank on a batch x model mesh)",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
+    Change(
         name="tensor_getitem_spelled_out",
         replaces="tf.Tensor.__getitem__ (on the class) while a prepared model's call runs: a spec with a new axis "
                  "names every axis",
