@@ -479,6 +479,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
         # Strict: what remains of the ops its layer changes remove is a layer's own use of them.
         targets.check_lowerable(graph, targets.Target.DTENSOR, exempt=frozenset())
+        enrolled = compat_decoding.enroll_step_ops(graph.op_type_counts())
+        if enrolled:
+            logging.info("TofuStrategy: %s: ops DTensor cannot lay out run replicated: %s (%s)",
+                         compat_decoding.REPLICATED_CHANGE.name, ", ".join(enrolled), compat_decoding.REPLICATED_CHANGE.why)
         options = dict(num_devices=num_devices or self._devices.count, method=self._options.method,
                        memory_budget_bytes=self._options.memory_budget_bytes,
                        mesh_shape=mesh_shape or self._options.mesh_shape, hardware=self._options.hardware)

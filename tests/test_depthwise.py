@@ -84,6 +84,53 @@ def test_depthwise_and_separable_layers_train_as_one_device(keras, one_d):
                                reference.predict(x, batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-5)
 
 
+class _OwnDepthwise(keras3.layers.Layer):
+    """A layer calling ``keras.ops.depthwise_conv`` itself, as keras-hub Qwen3.5's gated delta net
+    convolves its projections causally (``_causal_conv1d``: pad, then a 1-D depthwise convolution)."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(3,) * (len(shape) - 2) + (shape[-1], 1), initializer="glorot_uniform")
+
+    def call(self, x):
+        if x.shape.rank == 3:
+            x = keras3.ops.pad(x, [[0, 0], [2, 0], [0, 0]])
+        return keras3.ops.depthwise_conv(x, self.kernel, padding="valid")
+
+
+def _own_depthwise_model(one_d):
+    keras3.utils.set_random_seed(7)
+    inputs = keras3.Input((12, 4) if one_d else (8, 8, 4))
+    x = _OwnDepthwise(name="own_dw")(keras3.layers.Dense(8, name="d1")(inputs))
+    pooled = (keras3.layers.GlobalAveragePooling1D() if one_d else keras3.layers.GlobalAveragePooling2D())(x)
+    return keras3.Model(inputs, keras3.layers.Dense(4, name="head")(pooled))
+
+
+@pytest.mark.parametrize("one_d", [False, True], ids=["2d", "1d"])
+def test_a_layers_own_keras_depthwise_conv_trains_as_one_device(one_d):
+    """Before, the strategy refused the layer's DepthwiseConv2dNativeBackpropFilter before the first
+    step (keras-hub Qwen3.5-MoE's linear attention); its call now computes the grouped convolution
+    (``depthwise_op_as_grouped_conv``), and only while the model is called."""
+    from keras.src.backend.tensorflow import nn as keras_nn
+    own = keras_nn.depthwise_conv
+    x, y = _data(_own_depthwise_model(one_d))
+    strategy, model, reference = helpers.fit_beside_one_device(
+        lambda: _own_depthwise_model(one_d), lambda m: _compile(keras3, m), x, y)
+    np.testing.assert_allclose(model.predict(x, batch_size=BATCH, verbose=0),
+                               reference.predict(x, batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-5)
+    assert keras_nn.depthwise_conv is own          # Keras' own outside the model's call
+
+
+@pytest.mark.parametrize("strides, dilation, one_d", [(1, 1, True), (2, 1, True), (1, 2, False), ((2, 1), 1, False)])
+def test_a_keras_depthwise_conv_by_groups_is_keras_own(strides, dilation, one_d):
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(2, 9, 4) if one_d else (2, 9, 10, 4)).astype("float32"))
+    kernel = tf.constant(rng.normal(size=(3, 4, 2) if one_d else (3, 3, 4, 2)).astype("float32"))
+    want = keras3.ops.depthwise_conv(x, kernel, strides=strides, padding="same", dilation_rate=dilation)
+    with depthwise.depthwise_ops_as_grouped():
+        got = keras3.ops.depthwise_conv(x, kernel, strides=strides, padding="same", dilation_rate=dilation)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_the_rewrite_keeps_what_it_cannot_express():
     """channels_first, and a stride with a dilation, keep the layer's own call."""
     first = keras3.layers.DepthwiseConv2D(3, data_format="channels_first")
@@ -163,3 +210,73 @@ def test_without_grouped_gradient_kernels_the_depthwise_layer_is_refused_by_name
     assert out.returncode == 0, out.stderr[-3000:]
     assert "REFUSED" in out.stdout and "DepthwiseConv2dNativeBackpropFilter" in out.stdout, out.stdout[-2000:]
     assert "Keras layer 'dw'" in out.stdout and "keras.layers.DepthwiseConv2D" in out.stdout
+
+
+
+def _mobilenet():
+    """keras-hub's MobileNet (V3 blocks: grouped depthwise convolutions, squeeze-and-excite,
+    hard-swish) from a tiny config, a pooled classifier head."""
+    import keras_hub
+    keras3.utils.set_random_seed(3)
+    backbone = keras_hub.models.MobileNetBackbone(
+        stackwise_expansion=[[16, 24], [32]], stackwise_num_blocks=[2, 1], stackwise_num_filters=[[8, 8], [16]],
+        stackwise_kernel_size=[[3, 3], [3]], stackwise_num_strides=[[2, 1], [2]],
+        stackwise_se_ratio=[[None, None], [0.25]], stackwise_activation=[["relu", "relu"], ["hard_swish"]],
+        stackwise_padding=[[1, 1], [1]], output_num_filters=32, depthwise_filters=8, depthwise_stride=2,
+        depthwise_residual=False, last_layer_filter=32, squeeze_and_excite=0.5, image_shape=(32, 32, 3),
+        input_num_filters=8)
+    pooled = keras3.layers.GlobalAveragePooling2D()(backbone.output)
+    return keras3.Model(backbone.input, keras3.layers.Dense(4, name="head")(pooled))
+
+
+# The betas of _mobilenet() whose gradient is zero in exact arithmetic. Each is the beta of a block's
+# last BatchNormalization (block_0_0's bn2, the inverted residual blocks' bn3), whose output reaches the
+# loss only through the next block's bias-free 1x1 convolution and its BatchNormalization (through the
+# residual Add of block_1_1 too): the beta adds a constant per channel, the 1x1 convolution maps it to
+# a constant per channel, and the next BatchNormalization subtracts its batch mean, so the loss does
+# not depend on it. Its computed gradient is rounding noise (checked below on one device), which
+# differs between one device's sums and the sharded ones; Adam divides a gradient by its own
+# magnitude and turns that noise into steps of about the learning rate, on each side.
+ZERO_GRADIENT_BETAS = ("block_0_0/block_0_0_bn2/beta", "block_1_0/block_1_0_bn3/beta",
+                       "block_1_1/block_1_1_bn3/beta", "block_2_0/block_2_0_bn3/beta")
+LEARNING_RATE = 1e-3
+
+
+@pytest.mark.slow
+def test_mobilenet_trains_with_adam_as_one_device_but_for_betas_without_gradient():
+    """keras-hub MobileNet, 3 steps of Adam: the losses and every weight (moving statistics included)
+    as on one device, at 1e-5, but for the betas of ``ZERO_GRADIENT_BETAS``, exempt for the reason
+    given there and only held to Adam's bound (a learning rate per step). The exemption is checked:
+    on one device those betas' gradients are a millionth of the largest."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * STEPS, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 4, BATCH * STEPS).astype("int32")
+    probe = _mobilenet()
+    loss = keras3.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with tf.GradientTape() as tape:
+        value = loss(y[:BATCH], probe(x[:BATCH], training=True))
+    gradients = {w.path: g for w, g in zip(probe.trainable_weights, tape.gradient(value, probe.trainable_weights))}
+    largest = max(float(tf.reduce_max(tf.abs(g))) for g in gradients.values())
+    for path, gradient in gradients.items():
+        no_gradient = float(tf.reduce_max(tf.abs(gradient))) <= 1e-6 * largest
+        assert no_gradient == (path in ZERO_GRADIENT_BETAS), (path, float(tf.reduce_max(tf.abs(gradient))), largest)
+
+    def compile_adam(model):
+        model.compile(optimizer=keras3.optimizers.Adam(LEARNING_RATE), loss=loss)
+    reference = _mobilenet()
+    initial = reference.get_weights()
+    compile_adam(reference)
+    want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
+    from tofu_tf.strategies import TofuStrategy
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = _mobilenet()
+        model.set_weights(initial)
+        compile_adam(model)
+    got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for weight, g, w in zip(model.weights, model.get_weights(), reference.get_weights()):
+        if weight.path in ZERO_GRADIENT_BETAS:
+            np.testing.assert_array_less(np.abs(g - w), STEPS * LEARNING_RATE * 1.01, err_msg=weight.path)
+        else:
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=weight.path)

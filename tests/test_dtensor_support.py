@@ -41,9 +41,12 @@ def test_the_table_covers_every_described_op_type_and_was_derived_on_this_tensor
 
 
 def test_the_ops_the_hand_written_list_missed_are_derived():
-    refused = targets.NO_LAYOUT_PROPAGATION
+    refused = dtensor_support.load().refused_in_every_layout()
     assert {"TensorListStack", "MatrixDiagV3", "DepthwiseConv2dNativeBackpropFilter", "BatchMatMulV3"} <= refused
     assert not refused & {"MatMul", "BatchMatMulV2", "Conv2D", "Conv2DBackpropFilter", "While", "SelectV2"}
+    # what the strategy has DTensor run replicated is planned replicated, not refused
+    assert targets.ENROLLED_REPLICATED <= refused & targets.REPLICATED_ONLY
+    assert not targets.ENROLLED_REPLICATED & targets.NO_LAYOUT_PROPAGATION
 
 
 def _same(recorded: dict, probed: dict) -> bool:
@@ -89,13 +92,14 @@ class _MapFn(keras3.layers.Layer):
 
 
 class _OwnDepthwise(keras3.layers.Layer):
-    """A depthwise convolution through keras.ops, not keras.layers.DepthwiseConv2D."""
+    """A depthwise convolution through tf.nn, not keras.layers.DepthwiseConv2D nor keras.ops.depthwise_conv
+    (which TofuStrategy computes as grouped convolutions, tests/test_depthwise.py)."""
 
     def build(self, shape):
         self.kernel = self.add_weight(shape=(3, 3, shape[-1], 1), initializer="glorot_uniform")
 
     def call(self, x):
-        return keras3.ops.depthwise_conv(x, self.kernel, padding="same")
+        return tf.nn.depthwise_conv2d(x, self.kernel, (1, 1, 1, 1), "SAME")
 
 
 class _Int8Matmul(keras3.layers.Layer):
@@ -141,8 +145,95 @@ def test_a_loop_over_tensor_arrays_in_a_layer_is_refused_naming_the_layer():
 def test_a_layers_own_depthwise_convolution_is_refused_naming_the_layer():
     _refused(_OwnDepthwise(name="own_dw"), (6, 6, 4),
              r"DepthwiseConv2dNativeBackprop(Filter|Input) '[^']*' \(Keras layer 'own_dw'.*"
-             r"keras\.layers\.DepthwiseConv2D")
+             r"keras\.layers\.DepthwiseConv2D.*keras\.ops\.depthwise_conv")
 
 
 def test_an_int8_matmul_is_refused_naming_the_layer():
     _refused(_Int8Matmul(name="int8"), (4, 4), r"BatchMatMulV3 '[^']*' \(Keras layer 'int8'.*quantize it after")
+
+
+# -- ops the strategy enrolls in DTensor's replicated expansion (targets.ENROLLED_REPLICATED) -------
+
+_EYE = """
+import os, sys
+from tofu_tf.tf import devices
+devices.configure_virtual_cpus(8)
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+from tofu_tf.tf.compat import decoding
+mesh = dtensor.create_mesh([("batch", 2), ("model", 4)], devices=[f"CPU:{i}" for i in range(8)])
+if sys.argv[1] == "enrolled":
+    print("ENROLLED", decoding.enroll_step_ops({"MatrixDiagV3": 1, "MatMul": 1}))
+x = np.arange(8 * 48, dtype="float32").reshape(8, 48)
+on_mesh = dtensor.relayout(dtensor.copy_to_mesh(x, dtensor.Layout.replicated(mesh, 2)),
+                           dtensor.Layout.batch_sharded(mesh, "batch", rank=2))
+for name, fn in (("eye 48 (not folded)", lambda t: t @ tf.eye(48) + tf.linalg.diag(t[0])[:8]),):
+    try:
+        got = dtensor.relayout(tf.function(fn)(on_mesh), dtensor.Layout.replicated(mesh, 2))
+        print("RAN", np.array_equal(dtensor.unpack(got)[0].numpy(), fn(tf.constant(x)).numpy()))
+    except tf.errors.UnknownError as error:
+        print("REFUSED", str(error).splitlines()[0][-160:])
+"""
+
+
+@pytest.mark.parametrize("how", ["as_is", "enrolled"])
+def test_dtensor_runs_an_eye_too_large_to_fold_only_enrolled(how):
+    """``tf.eye(48)`` (9 KiB) is not folded by DTensor and ``MatrixDiagV3`` has no layout
+    propagation; enrolled in DTensor's replicated expansion it runs, as on one device. The probe
+    of ``targets.ENROLLED_REPLICATED``, both sides of the switch (a fresh Python each: the switch
+    is process-wide)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_")}
+    out = subprocess.run([sys.executable, "-c", _EYE, how], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**env, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    tail = f"rc={out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    if how == "as_is":     # when TensorFlow gains a rule for it, this fails: the enrollment can go
+        assert "REFUSED" in out.stdout and "MatrixDiagV3' op does not implement layout propagation" in out.stdout, tail
+    else:
+        assert "ENROLLED ('tf.MatrixDiagV3',)" in out.stdout and "RAN True" in out.stdout, tail
+
+
+class _Eye(keras3.layers.Layer):
+    """Scaled features through an identity of their width (a ``keras.ops.eye`` too large for DTensor
+    to fold, as keras-hub Qwen3.5's gated delta rule adds one of its chunk size)."""
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return keras3.ops.matmul(x * self.scale, keras3.ops.eye(x.shape[-1]))
+
+
+_EYE_STEP = """
+import os
+from tofu_tf.tf import devices
+devices.configure_virtual_cpus(8)
+import numpy as np
+from tests import strategy_helpers as helpers
+from tests.test_dtensor_support import eye_model
+import keras
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(24, 48)).astype("float32"), rng.integers(0, 4, 24).astype("int32")
+strategy, _, _ = helpers.fit_beside_one_device(eye_model, lambda m: helpers.compile_with_momentum(keras, m), x, y,
+                                               rtol=1e-5, atol=1e-6)
+print("TRAINED", os.environ.get("DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF.MATRIXDIAGV3"))
+"""
+
+
+def eye_model():
+    keras3.utils.set_random_seed(7)
+    inputs = keras3.Input((48,))
+    x = _Eye(name="eye")(keras3.layers.Dense(48, name="d1")(inputs))
+    return keras3.Model(inputs, keras3.layers.Dense(4, name="head")(x))
+
+
+@pytest.mark.slow
+def test_a_layer_adding_a_large_eye_trains_as_one_device():
+    """Before, the planner took ``keras.ops.eye(48)`` for folded and the first step failed inside
+    DTensor ("'tf.MatrixDiagV3' op does not implement layout propagation"); the strategy now enrolls
+    the op (``dtensor_replicated_ops``) and plans it replicated. A fresh Python: the switch is
+    process-wide."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_")}
+    out = subprocess.run([sys.executable, "-c", _EYE_STEP], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**env, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert "TRAINED 1" in out.stdout, f"rc={out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"

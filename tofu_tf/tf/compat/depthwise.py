@@ -20,6 +20,13 @@ probes both); on one CPU its outputs and gradients are bit-identical to the dept
 kernels' (dilated: the filter gradient within 1e-6 relative). keras-hub's MobileNet
 writes its depthwise convolutions that way itself (``Conv2D(groups=...)``).
 
+It also owns the change "depthwise_op_as_grouped_conv": while a model the strategy prepared is
+called (traced for planning or into a step program; on the calling thread, with the other
+changes of ``new_axis_slices_spelled_out``), Keras 3's TensorFlow ``depthwise_conv`` (the module
+function behind ``keras.ops.depthwise_conv``) computes the same grouped convolution, so a layer's
+own depthwise convolution trains too (keras-hub Qwen3.5's gated delta net convolves its
+projections causally so, ``_causal_conv1d``).
+
 Only ``channels_last`` layers are rewritten, and not one with both a stride and a
 dilation above 1 (Keras 3 decomposes that case itself); the rest keep their call.
 The layer's weights, config and saved form are unchanged.
@@ -33,12 +40,15 @@ the strategy refuses the depthwise gradient before the first step, naming the la
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
+from typing import Iterator
 
 import tensorflow as tf
 from absl import logging
 
+from tofu_tf.tf.compat import patching
 from tofu_tf.tf.compat.registry import Applied, change
 
 DEPTHWISE_LAYERS = frozenset({"DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D"})
@@ -92,6 +102,52 @@ def depthwise_as_grouped_conv(inputs, kernel, *, strides, padding: str, dilation
     filters = tf.reshape(kernel, (kh, kw, 1, channels * multiplier))
     return tf.nn.conv2d(inputs, filters, strides=(1, *strides, 1), padding=padding.upper(),
                         dilations=(1, *dilation_rate, 1))
+
+
+def _keras3_depthwise_conv():
+    import sys
+    if "keras" not in sys.modules:
+        return None
+    from keras.src.backend.tensorflow import nn as keras_nn
+    return keras_nn, "depthwise_conv"
+
+
+_DEPTHWISE_OP = patching.ThreadScopedPatch(change("depthwise_op_as_grouped_conv"), _keras3_depthwise_conv)
+
+
+def _as_pair(value, n: int) -> tuple[int, ...] | None:
+    items = (value,) * n if isinstance(value, int) else tuple(value)
+    return items if len(items) == n and all(isinstance(i, int) for i in items) else None
+
+
+def grouped_depthwise_op(original, inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1):
+    """Keras 3's TensorFlow ``depthwise_conv`` as a grouped convolution (``channels_last``, 1-D or 2-D,
+    not both a stride and a dilation above 1, where grouped gradients run); ``original(...)`` otherwise."""
+    import keras
+    inputs, kernel = tf.convert_to_tensor(inputs), tf.convert_to_tensor(kernel)
+    n = (inputs.shape.rank or 0) - 2
+    strides_n, dilation_n = _as_pair(strides, n), _as_pair(dilation_rate, n)
+    layout = data_format or keras.config.image_data_format()
+    if (n not in (1, 2) or strides_n is None or dilation_n is None or layout != "channels_last"
+            or (max(strides_n) > 1 and max(dilation_n) > 1) or None in kernel.shape or not grouped_gradients_run()):
+        return original(inputs, kernel, strides=strides, padding=padding, data_format=data_format,
+                        dilation_rate=dilation_rate)
+    if n == 1:
+        outputs = depthwise_as_grouped_conv(tf.expand_dims(inputs, 1), tf.expand_dims(kernel, 0),
+                                            strides=(1, *strides_n), padding=padding, dilation_rate=(1, *dilation_n))
+        return tf.squeeze(outputs, 1)
+    return depthwise_as_grouped_conv(inputs, kernel, strides=strides_n, padding=padding, dilation_rate=dilation_n)
+
+
+@contextlib.contextmanager
+def depthwise_ops_as_grouped() -> Iterator[None]:
+    """While active, this thread's Keras 3 ``ops.depthwise_conv`` computes a grouped convolution
+    (``grouped_depthwise_op``). Without Keras 3 imported, nothing changes."""
+    if _keras3_depthwise_conv() is None:
+        yield
+        return
+    with _DEPTHWISE_OP.active(grouped_depthwise_op):
+        yield
 
 
 def _grouped_call(layer, inputs):

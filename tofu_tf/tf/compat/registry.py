@@ -207,7 +207,8 @@ CHANGES: tuple[Change, ...] = (
     Change(
         name="new_axis_slices_spelled_out",
         replaces="the model's call, run under tensor_getitem_spelled_out (every layer it calls slices new axes "
-                 "with every axis named: t[:, None] as t[:, None, :]), tensor_arrays_as_lists and scans_unrolled",
+                 "with every axis named: t[:, None] as t[:, None, :]), tensor_arrays_as_lists, scans_unrolled and "
+                 "depthwise_op_as_grouped_conv",
         targets=("tf_keras:Model.call", "keras:Model.call"),
         scope=Scope.MODEL, undone=_LIFETIME,
         why="DTensor's StridedSlice layout inference reads the wrong axis for axes a spec leaves implicit after "
@@ -368,6 +369,36 @@ CHANGES: tuple[Change, ...] = (
         why="DTensor has no layout propagation for Roll (Swin's shifted windows)",
         packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
     Change(
+        name="one_hot_as_equal",
+        replaces="Keras 3's TensorFlow backend one_hot (the module function), written as an Equal of the "
+                 "indices with range(depth), cast, on the tracing thread",
+        targets=("keras.src.backend.tensorflow.nn:one_hot",),
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
+                                  "error; other threads see the original",
+        why="DTensor's OneHot expander mis-shapes its output when propagation splits the one-hot axis "
+            "(keras-hub Qwen3-MoE's expert router, whose experts the plan splits)",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
+    Change(
+        name="top_k_gradient_by_comparison",
+        replaces="Keras 3's TensorFlow backend top_k (the module function), its gradient computed by comparing the "
+                 "indices with range(n) instead of TopKV2's ScatterNd, on the tracing thread",
+        targets=("keras.src.backend.tensorflow.math:top_k",),
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
+                                  "error; other threads see the original",
+        why="DTensor's ScatterNd expander indexes a batch-split shard with global positions (keras-hub "
+            "Qwen3.5-MoE's router gradient, data parallel)",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
+    Change(
+        name="split_as_slices",
+        replaces="Keras 3's TensorFlow backend split (the module function), written as slices of the axis for "
+                 "static sections, on the tracing thread",
+        targets=("keras.src.backend.tensorflow.numpy:split",),
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
+                                  "error; other threads see the original",
+        why="DTensor's Split expander refuses an input split along its axis, which propagation gives it from "
+            "the op before (keras-hub Qwen-MoE's expert bank on a batch x model mesh)",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
+    Change(
         name="tensor_getitem_spelled_out",
         replaces="tf.Tensor.__getitem__ (on the class) while a prepared model's call runs: a spec with a new axis "
                  "names every axis",
@@ -393,6 +424,15 @@ CHANGES: tuple[Change, ...] = (
         scope=Scope.MODEL_CALL, undone="on return of the model's call, also on error; other threads see the original",
         why="a scan runs as a While loop over TensorLists, which DTensor cannot lay out even replicated",
         packages=("tensorflow",), site="tofu_tf.tf.compat.scans"),
+    Change(
+        name="depthwise_op_as_grouped_conv",
+        replaces="Keras 3's TensorFlow backend depthwise_conv (the module function) while a prepared model's call "
+                 "runs: channels_last, 1-D or 2-D, as a grouped Conv2D (depthwise_as_grouped_conv's)",
+        targets=("keras.src.backend.tensorflow.nn:depthwise_conv",),
+        scope=Scope.MODEL_CALL, undone="on return of the model's call, also on error; other threads see the original",
+        why="DTensor has no layout propagation for DepthwiseConv2dNativeBackpropFilter/BackpropInput; a layer "
+            "calls keras.ops.depthwise_conv itself (keras-hub Qwen3.5's gated delta net)",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.depthwise"),
     # -- process-wide ---------------------------------------------------------------------------
     Change(
         name="dtensor_all_reduces_uncombined",
@@ -408,11 +448,13 @@ CHANGES: tuple[Change, ...] = (
         name="dtensor_replicated_ops",
         replaces="the environment switches DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_<OP> for the ops of "
                  "tofu_tf.tf.compat.decoding.REPLICATED_OPS, set to 1 when a TofuStrategy first runs a decoding "
-                 "program and the user has not set them (read by DTensor at each compile)",
+                 "program, and for those of tofu_tf.search.targets.ENROLLED_REPLICATED when it plans a step holding "
+                 "one, where the user has not set them (read by DTensor at each compile)",
         targets=("tensorflow.dtensor.python.dtensor_device:DTensorDevice",),
         scope=Scope.PROCESS, undone="never: the switch only lets DTensor compile a program it refused",
         why="DTensor has no layout propagation for StatelessMultinomial (keras.random.categorical, the top-k "
-            "sampler's draw); enrolled, DTensor runs it replicated and draws one device's values",
+            "sampler's draw) nor MatrixDiagV3 (a tf.eye too large to fold: keras-hub Qwen3.5's gated delta "
+            "rule); enrolled, DTensor runs them replicated (one device's draws and values)",
         packages=("tensorflow",), site="tofu_tf.tf.compat.decoding"),
     Change(
         name="summary_before_plan",
