@@ -305,17 +305,16 @@ CHANGES: tuple[Change, ...] = (
             "its variable: every variable compiled its own handle program",
         packages=("tensorflow",), site="tofu_tf.tf.compat.process"),
     Change(
-        name="tf_keras_seed_generator_lent",
-        replaces="tf-keras' global seed generator (backend._SEED_GENERATOR.generator, a threading.local), "
-                 "when the user set none: a stand-in that refuses to be consulted, while sharded initial "
-                 "values are drawn; unseeded initializers get the seed tf-keras would draw "
-                 "(tf_utils.get_random_seed)",
-        targets=("tf_keras.src.backend:_SEED_GENERATOR", "tf_keras.src.utils.tf_utils:get_random_seed",
-                 "tf_keras.src.initializers.initializers:_ensure_keras_seeded"),
-        scope=Scope.CREATION, undone="on exit of the draw, also on error; other threads never see it",
-        why="tf-keras initializers refuse to draw sharded values until a global seed generator is set; "
-            "tf_keras.utils.set_random_seed would also reseed Python's random, numpy and TensorFlow",
-        packages=("tf-keras",), site="tofu_tf.tf.keras_adapter"),
+        name="initializer_seed_pinned",
+        replaces="nothing replaced: an unseeded tf-keras initializer's RandomGenerator._maybe_init called when "
+                 "its variable is created without a value, choosing the seed its first call would choose",
+        targets=("tf_keras.src.backend:RandomGenerator._maybe_init", "tf_keras.src.backend:RandomGenerator._create_seed"),
+        scope=Scope.CREATION, undone="nothing to undo: the seed is the one the initializer's first call on one "
+                                     "device takes (from keras.utils.set_random_seed's generator, else Python's random)",
+        why="a variable TofuStrategy defers is initialized at a read or at the plan, in another order than one device "
+            "creates it, so an unseeded initializer took another weight's seed (reading one kernel first changed "
+            "every kernel's values)",
+        packages=("tf-keras",), site="tofu_tf.tf.compat.initializer_seeds"),
     Change(
         name="variable_reads_forward_writes",
         replaces="DVariable subclassed (TofuVariable: _read_variable_op, scatter_add); a DeferredVariable's "
