@@ -642,6 +642,14 @@ def model_variables(model) -> list:
     return list(model.weights)
 
 
+def seed_states(model) -> list:
+    """A Keras 3 model's ``SeedGenerator`` states (its Dropout's, its GaussianNoise's): variables
+    of the model that are not weights, which each draw advances. tf-keras has none (its layers'
+    generators hold a seed, no state)."""
+    return [v for v in getattr(model, "variables", ()) if str(getattr(v, "path", "")).rsplit("/", 1)[-1]
+            .startswith("seed_generator_state")]
+
+
 def trainable_variables(model) -> list:
     return list(model.trainable_variables)
 
