@@ -5,6 +5,7 @@ an unseeded tf-keras initializer's seed is chosen at its variable's creation, as
 chooses it (tofu_tf.tf.compat.initializer_seeds)."""
 
 import contextlib
+import functools
 import random
 
 import keras as keras3
@@ -174,3 +175,32 @@ def test_a_keras_hub_llama_starts_from_one_devices_weights(num_gpus):
     strategy.plan_model(model, batch_size=8, features={k: v[:8] for k, v in x.items()})
     assert _split(model)
     _assert_bitwise_equal(_values(model), expected)
+
+
+@pytest.mark.parametrize("initializer", ["glorot_uniform", "he_uniform", "lecun_uniform", "random_uniform"])
+@pytest.mark.parametrize("shape, specs", [((16, 7), ("model", None)), ((12, 6), ("batch", None)),
+                                          ((8, 3, 5), ("model", None, None))])
+def test_uniform_shards_split_by_rows_are_drawn_by_index(monkeypatch, initializer, shape, specs):
+    """A tf-keras uniform draw split by its first dimension: each device draws its rows from the
+    Philox counter at their flat offset (offsets not multiples of four included: 7 and 15
+    elements a row), never the whole value, and the bits are one device's."""
+    from tensorflow.experimental import dtensor
+
+    from tofu_tf.tf import devices, lowering
+    from tofu_tf.tf import variables as variables_lib
+    init = keras.initializers.get({"class_name": initializer, "config": {"seed": 11}})
+    expected = init(shape, dtype="float32").numpy()
+    device_set = devices.DeviceSet("CPU", tuple(f"CPU:{i}" for i in range(8)), virtual=True)
+    mesh = lowering.make_mesh({"batch": 2, "model": 4}, device_set)
+    layout = dtensor.Layout([dtensor.UNSHARDED if s is None else s for s in specs], mesh)
+
+    def no_host_draw(*args, **kwargs):
+        raise AssertionError("drawn whole on the host")
+    monkeypatch.setattr(variables_lib, "scatter_from_host", no_host_draw)
+    fresh = keras.initializers.get({"class_name": initializer, "config": {"seed": 11}})
+    deferred = variables_lib.DeferredVariable(
+        initial_value=functools.partial(fresh, shape, dtype="float32"), shape=shape, dtype="float32",
+        name="kernel", trainable=True, extra_kwargs={})
+    variables_lib.materialize_all([(deferred, layout)])
+    monkeypatch.undo()
+    np.testing.assert_array_equal(deferred.numpy(), expected)

@@ -9,8 +9,10 @@ Two problems live here, and only here:
   DTensor layout, so each device computes only its own shard, and turns the
   same Python object into a ``TofuVariable`` (layers, optimizers and
   checkpoints keep the object they hold). A constant fill (zeros, ones) is
-  filled shard by shard on the mesh. A random initial value is drawn whole on
-  the host, one variable at a time, and each device receives its shard: a
+  filled shard by shard on the mesh, and so is a tf-keras uniform draw split by
+  rows, by global index (``tofu_tf.tf.compat.counter_draws``). Any other random
+  initial value is drawn whole on the host, one variable at a time, and each
+  device receives its shard: a
   draw under a split layout is another random stream than one device's
   (DTensor folds each device's coordinates into the seed), and the run must
   not depend on the plan (docs/numerics.md). A weight read, set or loaded
@@ -42,6 +44,7 @@ from tensorflow.python.trackable import constants as trackable_constants
 
 from tofu_tf.errors import TofuError
 from tofu_tf.tf import devices, keras_adapter
+from tofu_tf.tf.compat import counter_draws as compat_counter_draws
 from tofu_tf.tf.compat import initializer_seeds as compat_initializer_seeds
 from tofu_tf.tf.compat import process as compat_process
 
@@ -435,7 +438,9 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout, *, drawn_val
     """Give ``variable`` its buffer, sharded by ``layout``, in place.
 
     A tf-keras constant fill (zeros, ones) is called with its layout inside a
-    function, so each device fills only its shard. Every other initial value
+    function, so each device fills only its shard; a tf-keras uniform draw split by
+    rows is drawn by each device from the counter at its rows (``_uniform_by_index``).
+    Every other initial value
     (random initializers, Orthogonal, Identity, Constant, Keras 3's, plain
     callables) is computed whole on the host, as one device computes it (the same
     kernels, seed and order of draws: its values, bit for bit, whatever the plan),
@@ -459,6 +464,9 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout, *, drawn_val
             return sharded_zeros(shape, dtype, layout)
         if _draws_shards(variable, layout):
             return _draw_together([(variable, layout)])[0]
+        by_index = _uniform_by_index(variable, layout)
+        if by_index is not None:
+            return by_index
         if _on_mesh(initial_value):       # a copy of a sharded variable: EMA's average starts as its weight
             return dtensor.relayout(tf.identity(initial_value), layout)
         if not layout.is_fully_replicated() and shape.num_elements() > _WHOLE_VALUE_LOG_ELEMENTS:
@@ -471,6 +479,28 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout, *, drawn_val
     fresh = TofuVariable(sharded_initial_value, dtype=dtype, name=_base_name(variable.name),
                          trainable=variable.trainable, layout=layout)
     return _become(variable, fresh)
+
+
+def _uniform_by_index(variable: DeferredVariable, layout: dtensor.Layout):
+    """A tf-keras uniform draw (RandomUniform; Glorot, He, LeCun uniform) split by its first
+    dimension only, each device drawing its rows from the Philox counter at their flat offset
+    (``tofu_tf.tf.compat.counter_draws``): one device's bits, and only the shard on each device.
+    None for any other layout or initializer (drawn whole on the host)."""
+    specs = layout.sharding_specs
+    if not specs or specs[0] == dtensor.UNSHARDED or any(s != dtensor.UNSHARDED for s in specs[1:]) \
+            or variable.dtype != tf.float32:
+        return None
+    draw = compat_counter_draws.uniform_draw(variable._tofu_initial_value)
+    if draw is None or draw.shape != tuple(variable.shape.as_list()):
+        return None
+    local_shape = layout.local_shape_from_global_shape(draw.shape)
+    row = int(np.prod(draw.shape[1:], dtype=np.int64))
+    count = int(np.prod(local_shape, dtype=np.int64))
+
+    def shard(location):
+        start = location[specs[0]] * local_shape[0] * row
+        return tf.reshape(draw.flat_run(start, count), local_shape)
+    return _pack_per_device(layout, shard)
 
 
 def _on_mesh(value) -> bool:

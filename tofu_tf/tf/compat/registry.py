@@ -316,6 +316,19 @@ CHANGES: tuple[Change, ...] = (
             "every kernel's values)",
         packages=("tf-keras",), site="tofu_tf.tf.compat.initializer_seeds"),
     Change(
+        name="uniform_draws_by_index",
+        replaces="a tf-keras RandomUniform's or uniform VarianceScaling's generator.random_uniform, on that instance, "
+                 "for one call that records its arguments and draws nothing; each shard of a weight split by its "
+                 "first dimension drawn with StatelessRandomUniformV2 from the Philox counter at its flat offset",
+        targets=("tf_keras.src.backend:RandomGenerator.random_uniform",
+                 "tf_keras.src.backend:RandomGenerator.make_seed_for_stateless_op",
+                 "tensorflow.python.ops.random_ops_util:get_key_counter_alg",
+                 "tensorflow.python.ops.gen_stateless_random_ops_v2:stateless_random_uniform_v2"),
+        scope=Scope.CREATION, undone="the recorder is deleted from the instance on exit of the call, also on error",
+        why="a uniform draw under a split layout is another stream than one device's (DTensor folds each device's "
+            "coordinates into the seed); drawn by global index, each device draws only its shard, one device's bits",
+        packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.compat.counter_draws"),
+    Change(
         name="variable_reads_forward_writes",
         replaces="DVariable subclassed (TofuVariable: _read_variable_op, scatter_add); a DeferredVariable's "
                  "__class__ set to TofuVariable in place when the plan lays it out",
