@@ -22,8 +22,13 @@ Two things differ without anything being wrong, and the report says which:
   once the noise is above the optimizer's epsilon; under SGD the variable moves by
   noise-sized steps, as large as the variable itself when it started at zero. ``_NOISE_GRADIENT``
   says how it is recognized; such variables are reported and left out of the verdict.
-* Dropout masks: DTensor folds each device's coordinates into the random seed, so
-  sharded masks are other draws than one device's.
+* Nothing else: dropout masks are the same on both sides. The strategy draws a mask's noise
+  unsplit, so it does not depend on the plan (``tofu_tf.tf.compat.random_draws``); the copy
+  starts from the same seeds (a Keras 3 model's SeedGenerator states are copied with the
+  weights) and a tf-keras copy draws its masks as the strategy does, statelessly from the
+  layer's seed and the step (``tofu_tf.tf.compat.layers.same_masks_in_copy``), where plain
+  tf-keras would draw them from a stateful stream no sharded run can follow. So a model with
+  dropout is compared against a one-device run of it with the masks TofuStrategy draws.
 
 This module owns the check and its report. It does not plan, lower, or run steps of
 its own: the model is planned through the strategy's normal path and trained by Keras.
@@ -45,6 +50,7 @@ from tofu_tf.plan import format_bytes
 from tofu_tf.strategies import keras_hooks
 from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import variables as variables_lib
+from tofu_tf.tf.compat import layers as compat_layers
 
 # A gradient this small relative to its weight's scale is rounding noise:
 # |g| <= _NOISE_GRADIENT * max(1, |w|) (Frobenius norms, float32 weights). float32
@@ -141,8 +147,7 @@ class NumericsReport:
 
     def ok(self, rtol: float = 1e-5) -> bool:
         """Every step's loss and every variable whose gradient is not rounding noise agree
-        within ``rtol``. With an active dropout layer the two sides draw different masks,
-        and False is then expected."""
+        within ``rtol``. Dropout layers draw the same masks on both sides (the module docstring)."""
         return self.max_relative_difference <= rtol and all(r <= rtol for r in self.loss_relative_differences())
 
     def summary(self) -> str:
@@ -175,8 +180,8 @@ class NumericsReport:
                                   for layer in self.random_layers)
             lines.append(f"  random layers: {described}")
             if self.random_masks:
-                lines.append("  note: the comparison includes random masks: sharded, DTensor folds each device's "
-                             "coordinates into the seed, so masks are other draws than one device's")
+                lines.append("  note: the comparison includes random masks, the same on both sides: the one-device "
+                             "copy draws them as TofuStrategy does (same seeds and step, drawn whole)")
         lines.append(f"  ok at rtol=1e-05: {self.ok()}  (max relative difference "
                      f"{self.max_relative_difference:.2e})")
         return "\n".join(lines)
@@ -216,6 +221,8 @@ def check_numerics(strategy, model, x, y, *, steps: int = 1, batch_size: int | N
     try:
         reference = _one_device_copy(model, clone, state, snapshot, batches[0][0])
         gradients = _gradient_norms(reference, model, batches[0], snapshot[:len(state.weights)])
+        for variable, value in zip(keras_adapter.seed_states(reference), snapshot[len(snapshot) - len(state.seeds):]):
+            _assign_from_host(variable, value)      # the gradients' forward pass drew masks: back to the model's
         with tf.device("/CPU:0"):
             losses_one_device = _train(reference, batches)
         history = getattr(model, "history", None)
@@ -236,20 +243,21 @@ def check_numerics(strategy, model, x, y, *, steps: int = 1, batch_size: int | N
 @dataclasses.dataclass(frozen=True)
 class _State:
     """Everything a training step changes: weights, optimizer variables (step count,
-    slots), the model's own step counters (tf-keras)."""
+    slots), the model's own step counters (tf-keras), its seed generators' states (Keras 3)."""
 
     weights: tuple
     optimizer: tuple
     counters: tuple
+    seeds: tuple = ()
 
     @classmethod
     def of(cls, model) -> "_State":
         return cls(tuple(keras_adapter.model_variables(model)), tuple(model.optimizer.variables),
-                   tuple(keras_adapter.step_counters(model)))
+                   tuple(keras_adapter.step_counters(model)), tuple(keras_adapter.seed_states(model)))
 
     @property
     def variables(self) -> tuple:
-        return self.weights + self.optimizer + self.counters
+        return self.weights + self.optimizer + self.counters + self.seeds
 
 
 def _batches(x, y, steps: int, batch_size: int | None) -> list:
@@ -339,6 +347,11 @@ def _one_device_copy(model, clone, state: _State, snapshot: list, features):
         for variable, value in zip(optimizer.variables, snapshot[offset:offset + len(state.optimizer)]):
             _assign_from_host(variable, value)
         reference.compile(optimizer=optimizer, loss=_loss_copy(keras_hooks.compiled_loss(model)), jit_compile=False)
+        seeds = keras_adapter.seed_states(reference)
+        _check_alike("seed generator states", state.seeds, seeds, model.name)
+        for variable, value in zip(seeds, snapshot[len(snapshot) - len(state.seeds):]):
+            _assign_from_host(variable, value)
+        compat_layers.same_masks_in_copy(model, reference, optimizer.iterations)
     return reference
 
 

@@ -34,6 +34,7 @@ from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import variables as variables_lib
 from tofu_tf.tf.compat import calls
 from tofu_tf.tf.compat import process as compat_process
+from tofu_tf.tf.compat import random_draws
 
 
 class HostPlacer:
@@ -110,15 +111,19 @@ class PipelineRunner:
         key = (index, training, with_loss)
         function = self._functions.get(key)
         if function is None:
-            stage_model = self._plan.stages[index].model
+            stage_model, mesh = self._plan.stages[index].model, self._plan.stages[index].mesh
+            # Random draws (dropout masks, keras.random) unsplit on the stage's mesh, as in a
+            # whole-model step (``random_draws``): the masks do not depend on the stage's plan.
             if with_loss:
                 def run(inputs, y, sample_weight, scale, micro):
-                    output = stage_model(inputs, training=training)     # only the loss leaves: a second
+                    with random_draws.draws_replicated(mesh):
+                        output = stage_model(inputs, training=training)     # only the loss leaves: a second
                     return self._loss_and_metrics(y, output, sample_weight, micro, training) * scale  # output's
                                                                  # gradient would be zeros made off the mesh
             else:
                 def run(inputs):
-                    return stage_model(inputs, training=training)
+                    with random_draws.draws_replicated(mesh):
+                        return stage_model(inputs, training=training)
             function = self._functions[key] = tf.function(run)
         return function
 

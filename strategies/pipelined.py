@@ -168,6 +168,14 @@ class PipelinePlan:
                 return stage.lowered.layout_for(name, variable.shape)
         return None
 
+    def seed_state_layout(self, variable) -> dtensor.Layout | None:
+        """Replicated on the mesh of the stage whose model holds ``variable`` (a Keras 3
+        ``SeedGenerator``'s state, which no stage plan lays out); None when no stage holds it."""
+        for stage in self.stages:
+            if any(keras_adapter.tf_variable(held) is variable for held in getattr(stage.model, "variables", ())):
+                return dtensor.Layout.replicated(stage.mesh, rank=variable.shape.rank)
+        return None
+
     def summary(self) -> str:
         lines = [f"pipeline of {self.num_stages} stages, {self.schedule.value}, {self.num_microbatches} micro-batches "
                  f"of {self.micro_batch_size}"]

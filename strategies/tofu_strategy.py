@@ -655,6 +655,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         placed, on_stages = [], []
         for variable in deferred:
             layout = self._plan.layout_for(variable, keras_path(variable))
+            if layout is None and _is_seed_state(variable):
+                layout = self._plan.seed_state_layout(variable)
             if layout is None and (id(variable) in self._optimizer_owned or self._making_optimizer_state):
                 placed.append(variables_lib.materialize_on_host(variable))
                 continue
@@ -1195,6 +1197,15 @@ def _as_distributed_value(value):
     if tf.is_tensor(value) and not isinstance(value, tf.Variable):
         return _GlobalDistributedValue(value)
     return value
+
+
+def _is_seed_state(variable) -> bool:
+    """A Keras 3 ``SeedGenerator``'s state (a Dropout's, a GaussianNoise's): in a pipeline it lives
+    on the mesh of the stage whose layer draws from it (``PipelinePlan.seed_state_layout``). On
+    another stage's mesh that stage's program could not read it (DTensor: "All inputs to
+    tf_device.Cluster must have same mesh"); on the host, each device's part of the program
+    advanced it once (8 draws a step on 8 devices)."""
+    return keras_path(variable).rsplit("/", 1)[-1].startswith("seed_generator_state")
 
 
 def keras_path(variable) -> str:

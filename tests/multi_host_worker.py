@@ -3,7 +3,7 @@
 
     python -m tests.multi_host_worker --model=mlp --work_dir=DIR [--restore=CKPT] [--save=CKPT]
 
-Reads ``DIR/initial.npz`` (the weights to start from, unless ``--restore``) and
+Reads ``DIR/initial.npz`` (the weights to start from, unless ``--restore`` or ``--seeded_initial``) and
 ``DIR/data.npz`` (the global batch stream, the same file for every client), trains
 ``--steps`` steps of ``--batch_size`` under ``TofuStrategy(--num_gpus)`` on a mesh
 that splits the batch over clients and the weights within each, and writes the
@@ -28,6 +28,7 @@ flags.DEFINE_string("restore", None, "Restore this checkpoint instead of reading
 flags.DEFINE_bool("dataset", False, "Train from a tf.data.Dataset of the data instead of numpy arrays.")
 flags.DEFINE_integer("steps", 3, "Steps to train (0: only restore/save).")
 flags.DEFINE_bool("die_after_plan", False, "Client 1 exits at once after planning (a client that dies).")
+flags.DEFINE_bool("seeded_initial", False, "Keep the weights the seeded initializers draw (no initial.npz).")
 FLAGS = flags.FLAGS
 
 
@@ -53,7 +54,7 @@ def main(argv):
     if FLAGS.restore:
         model.optimizer.build(model.trainable_variables)   # its slots, for the restore to fill
         checkpoint.read(FLAGS.restore).assert_consumed()
-    else:
+    elif not FLAGS.seeded_initial:
         model.set_weights(list(np.load(os.path.join(FLAGS.work_dir, "initial.npz")).values()))
     if FLAGS.steps:
         data = np.load(os.path.join(FLAGS.work_dir, "data.npz"))

@@ -178,3 +178,19 @@ def test_tf_config_maps_onto_dtensor_variables():
     assert cluster.jobs == ("h0:1", "h1:1", "h2:1") and cluster.client_id == 2
     assert environ["DTENSOR_JOBS"] == "h0:1,h1:1,h2:1" and environ["DTENSOR_CLIENT_ID"] == "2"
     assert cluster_lib.from_environment({}) is cluster_lib.LOCAL
+
+
+@pytest.mark.slow
+def test_two_clients_start_from_one_devices_seeded_weights(tmp_path):
+    """Two clients of four devices, the MLP's kernels split over all eight (issue #39): the
+    weights the seeded initializers draw are one device's, bit for bit, on both clients.
+    Each client draws a split weight whole on its host and keeps its own devices' shards."""
+    expected = h.build("mlp").get_weights()
+    _assert_ok(_run_clients(tmp_path, "--model=mlp", "--method=megatron", "--mesh=model=8", "--steps=0",
+                            "--seeded_initial"))
+    layouts = open(os.path.join(tmp_path, "layouts_0.txt")).read()
+    assert " model" in layouts, layouts
+    for client in (0, 1):
+        got = _weights(tmp_path, client)[:len(expected)]
+        for value, want in zip(got, expected):
+            np.testing.assert_array_equal(value, want)

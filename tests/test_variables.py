@@ -139,31 +139,39 @@ from tofu_tf.tf import lowering
 from tofu_tf.tf import variables as variables_lib
 mesh = lowering.make_mesh({"model": 8}, devices.DeviceSet("CPU", tuple(f"CPU:{i}" for i in range(8)), virtual=True))
 shape = (2048, 2048)
-init = functools.partial(getattr(keras.initializers, sys.argv[1])(seed=1), shape, dtype=tf.float32)
+kind = getattr(keras.initializers, sys.argv[1])
+init = functools.partial(kind() if sys.argv[1] == "Zeros" else kind(seed=1), shape, dtype=tf.float32)
 deferred = variables_lib.DeferredVariable(initial_value=init, shape=tf.TensorShape(shape), dtype=tf.float32,
                                           name="kernel", trainable=True, extra_kwargs={})
 tf.config.experimental.reset_memory_stats("CPU:0")
 start = tf.config.experimental.get_memory_info("CPU:0")["current"]
-variables_lib.materialize(deferred, dtensor.Layout([dtensor.UNSHARDED, "model"], mesh))
+specs = ["model", dtensor.UNSHARDED] if sys.argv[2] == "rows" else [dtensor.UNSHARDED, "model"]
+variables_lib.materialize(deferred, dtensor.Layout(specs, mesh))
 print(4 * shape[0] * shape[1], tf.config.experimental.get_memory_info("CPU:0")["peak"] - start)
 """
 
 
 @pytest.mark.slow   # a fresh Python per initializer, measuring its allocations
-@pytest.mark.parametrize("initializer, most", [("GlorotUniform", 1.25), ("Orthogonal", 6.0)])
-def test_sharded_draw_allocates_only_the_shards(initializer, most):
-    """A kernel sharded on 8 devices. An elementwise initializer is drawn shard by shard:
-    the process (all 8 virtual CPUs share one allocator) peaks at the kernel's size once,
-    its shards (drawn eagerly, tf-keras computed it whole on one device first: 3.0x).
-    Orthogonal needs the whole matrix (a QR): built once on the host, about 4x; drawn
-    inside a DTensor function it was computed on every device, 16x.
+@pytest.mark.parametrize("initializer, split, most", [("Zeros", "cols", 1.25), ("GlorotUniform", "rows", 1.5),
+                                                     ("GlorotUniform", "cols", 3.5), ("Orthogonal", "cols", 6.0)])
+def test_sharded_draw_allocates_only_the_shards(initializer, split, most):
+    """A kernel sharded on 8 devices. A constant fill is filled shard by shard: the process
+    (all 8 virtual CPUs share one allocator) peaks at the kernel's size once, its shards. So
+    does a uniform draw split by rows, each device drawing its rows by global index (plus one
+    shard's temporaries, the scaling of the drawn words: 1.25x). Split
+    by columns it is drawn whole on the host, as one device draws it (its values must not
+    depend on the plan, tests/test_initial_values.py), then each device receives its shard:
+    3.0x in this shared allocator (the host value, its host copy, the shards; drawn under
+    the split layout it was 1.0x, but other numbers). On accelerators the devices hold only
+    their shards either way. Orthogonal needs the whole matrix (a QR): built once on the
+    host, about 4x; drawn inside a DTensor function it was computed on every device, 16x.
 
     Runs in a subprocess: the allocator statistics need TF_CPU_ALLOCATOR_USE_BFC set before
     TF starts, and that allocator is not used by the rest of the suite.
     """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", PYTHONPATH=root)
-    out = subprocess.run([sys.executable, "-c", _DRAW_PROBE, initializer], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _DRAW_PROBE, initializer, split], env=env, capture_output=True,
                          text=True, check=True, timeout=300)
     full_bytes, peak = (int(v) for v in out.stdout.split()[-2:])
     assert peak < most * full_bytes, (peak, full_bytes)

@@ -405,13 +405,14 @@ def trace_updates_inline(optimizer):
     return optimizer
 
 
-def draws_elementwise(initializer) -> bool:
-    """Whether a tf-keras initializer draws every element on its own (random
-    distributions, variance scaling, zeros, ones): such a draw splits into shards."""
+def fills_shards(initializer) -> bool:
+    """Whether a tf-keras initializer fills a constant (Zeros, Ones): each device can fill its
+    own shard under the layout and the values are one device's. A random initializer's draw
+    under a split layout is another stream (DTensor folds each device's coordinates into the
+    seed); those are drawn whole on the host instead (``tofu_tf.tf.variables.materialize``)."""
     import tf_keras
     kinds = tf_keras.initializers
-    return isinstance(initializer, (kinds.VarianceScaling, kinds.RandomUniform, kinds.RandomNormal,
-                                    kinds.TruncatedNormal, kinds.Zeros, kinds.Ones))
+    return isinstance(initializer, (kinds.Zeros, kinds.Ones))
 
 
 class DeferredZeros:
@@ -641,6 +642,14 @@ def model_variables(model) -> list:
     return list(model.weights)
 
 
+def seed_states(model) -> list:
+    """A Keras 3 model's ``SeedGenerator`` states (its Dropout's, its GaussianNoise's): variables
+    of the model that are not weights, which each draw advances. tf-keras has none (its layers'
+    generators hold a seed, no state)."""
+    return [v for v in getattr(model, "variables", ()) if str(getattr(v, "path", "")).rsplit("/", 1)[-1]
+            .startswith("seed_generator_state")]
+
+
 def trainable_variables(model) -> list:
     return list(model.trainable_variables)
 
@@ -691,52 +700,6 @@ def recording_layer_scopes(framework: str, model) -> Iterator[LayerScopes]:
 
     with compat_process.recording_keras3_scopes(record):     # the change "layer_scopes_recorded"
         yield scopes
-
-
-def tf_keras_seed() -> int:
-    """A seed for a tf-keras ``initializer`` made without one, drawn as tf-keras draws it
-    when the initializer first runs (``tf_utils.get_random_seed``: from the generator
-    ``set_random_seed`` installs, else from Python's ``random``). A sharded draw needs the
-    seed fixed before the draw, so that every shard follows one random stream; drawing it
-    tf-keras' way leaves the user's random state where one device's run leaves it."""
-    from tf_keras.src.utils import tf_utils
-    return int(tf_utils.get_random_seed())
-
-
-class _UnusedSeedGenerator:
-    """Stands in for tf-keras' global seed generator while seeded initializers draw
-    sharded values: tf-keras only checks that one is set."""
-
-    def randint(self, *args):
-        raise TofuError("a tf-keras initializer without a seed drew sharded values; "
-                        "tofu_tf gives each one a seed before the draw (keras_adapter.tf_keras_seed)")
-
-
-@contextlib.contextmanager
-def tf_keras_sharded_draws() -> Iterator[None]:
-    """Let tf-keras initializers draw sharded values on this thread meanwhile.
-
-    tf-keras refuses a draw with a ``layout`` until its global seed generator is set
-    (``tf_keras.utils.set_random_seed``, which also reseeds Python's ``random``, numpy and
-    TensorFlow). The initializers drawn here carry their own seeds (``tf_keras_seed``), so
-    the generator is never consulted: when the user has set none, a stand-in that refuses
-    to be consulted is set on the calling thread (tf-keras keeps it in a
-    ``threading.local``) and removed on exit. The change "tf_keras_seed_generator_lent"."""
-    from tf_keras.src import backend as tf_keras_backend
-    local = tf_keras_backend._SEED_GENERATOR  # pylint: disable=protected-access
-    if getattr(local, "generator", None):
-        yield
-        return
-    missing = object()
-    before = getattr(local, "generator", missing)
-    local.generator = _UnusedSeedGenerator()
-    try:
-        yield
-    finally:
-        if before is missing:
-            del local.generator
-        else:
-            local.generator = before
 
 
 def optimizer_built(optimizer) -> bool:

@@ -8,8 +8,15 @@ Two problems live here, and only here:
   Once the plan exists, ``materialize`` runs the initializer under the planned
   DTensor layout, so each device computes only its own shard, and turns the
   same Python object into a ``TofuVariable`` (layers, optimizers and
-  checkpoints keep the object they hold). Only a weight read, set or loaded
-  before the plan exists whole, on the host, and the plan lays that value out.
+  checkpoints keep the object they hold). A constant fill (zeros, ones) is
+  filled shard by shard on the mesh, and so is a tf-keras uniform draw split by
+  rows, by global index (``tofu_tf.tf.compat.counter_draws``). Any other random
+  initial value is drawn whole on the host, one variable at a time, and each
+  device receives its shard: a
+  draw under a split layout is another random stream than one device's
+  (DTensor folds each device's coordinates into the seed), and the run must
+  not depend on the plan (docs/numerics.md). A weight read, set or loaded
+  before the plan also exists whole on the host, and the plan lays that value out.
 * **Read-after-write inside one step.** DTensor does not keep the order of a
   write and a later read of the same variable when the step's inputs are
   batch-sharded: an optimizer that writes a slot and then reads it (SGD with
@@ -37,6 +44,8 @@ from tensorflow.python.trackable import constants as trackable_constants
 
 from tofu_tf.errors import TofuError
 from tofu_tf.tf import devices, keras_adapter
+from tofu_tf.tf.compat import counter_draws as compat_counter_draws
+from tofu_tf.tf.compat import initializer_seeds as compat_initializer_seeds
 from tofu_tf.tf.compat import process as compat_process
 
 
@@ -315,6 +324,9 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
 
     def __init__(self, *, initial_value, shape, dtype, name, trainable, extra_kwargs):
         super().__init__(shape=shape, dtype=dtype, name=name, trainable=trainable)
+        # The seed one device's creation gives an unseeded tf-keras initializer, chosen now,
+        # in creation order, whatever order the value is later read or planned in.
+        compat_initializer_seeds.pin_seed(initial_value)
         self._tofu_initial_value = initial_value
         self._tofu_kwargs = dict(extra_kwargs)
         self._tofu_host = None
@@ -329,12 +341,13 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
         costs nothing. Users read weights before the plan too, to copy, save or
         log them (``get_weights``, ``numpy()``, ``save_weights``): the variable
         read, and only it, is then computed whole on the host, once, and
-        ``materialize`` lays out that value instead of drawing its shards, so what
-        was read is what trains. The host holds it until the plan: computing it
-        again then would give other numbers (a random initializer draws afresh,
-        and a draw sharded by the plan's layout is another stream), so reading
-        every weight before the plan keeps a full copy of the model's weights in
-        host memory until the plan replaces them with their shards.
+        ``materialize`` lays out that value, so what was read is what trains. It
+        is the value the plan would draw (the same initializer and seed, drawn on
+        the host either way), so reading changes nothing, but a ``SeedGenerator``
+        seed or a plain callable could give other numbers a second time; the host
+        therefore holds it until the plan, so reading every weight before the plan
+        keeps a full copy of the model's weights in host memory until the plan
+        replaces them with their shards.
         """
         if self._tofu_host is None:
             if not self.shape.is_fully_defined():
@@ -424,15 +437,18 @@ class DTensorExportError(TofuError, RuntimeError):
 def materialize(variable: DeferredVariable, layout: dtensor.Layout, *, drawn_value=None) -> TofuVariable:
     """Give ``variable`` its buffer, sharded by ``layout``, in place.
 
-    Keras initializers take a ``layout`` argument; an elementwise one called
-    inside a function has DTensor propagate that layout back to its random op,
-    so each device draws only its shard and the full value never exists. (Called eagerly,
-    tf-keras computes the full value on one device and then slices it: a
-    4096 x 4096 kernel sharded on 8 virtual CPUs peaked at 3x its full size,
-    against 1x, its shards, in a function.) Other initial values (constants,
-    plain callables) are built whole once and then sharded; that is logged. A
-    value the variable took before the plan (read, set or loaded on the host:
-    ``DeferredVariable._host_value``) is sharded as it is.
+    A tf-keras constant fill (zeros, ones) is called with its layout inside a
+    function, so each device fills only its shard; a tf-keras uniform draw split by
+    rows is drawn by each device from the counter at its rows (``_uniform_by_index``).
+    Every other initial value
+    (random initializers, Orthogonal, Identity, Constant, Keras 3's, plain
+    callables) is computed whole on the host, as one device computes it (the same
+    kernels, seed and order of draws: its values, bit for bit, whatever the plan),
+    and each device receives its shard; the full value never exists on a device.
+    A random draw under the split layout would be another stream: DTensor folds
+    each device's coordinates into the seed. A value the variable took before the
+    plan (read, set or loaded on the host: ``DeferredVariable._host_value``) is
+    sharded as it is.
     ``drawn_value``: the sharded value ``materialize_all`` already drew.
     """
     initial_value = variable._tofu_initial_value
@@ -448,10 +464,13 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout, *, drawn_val
             return sharded_zeros(shape, dtype, layout)
         if _draws_shards(variable, layout):
             return _draw_together([(variable, layout)])[0]
+        by_index = _uniform_by_index(variable, layout)
+        if by_index is not None:
+            return by_index
         if _on_mesh(initial_value):       # a copy of a sharded variable: EMA's average starts as its weight
             return dtensor.relayout(tf.identity(initial_value), layout)
         if not layout.is_fully_replicated() and shape.num_elements() > _WHOLE_VALUE_LOG_ELEMENTS:
-            logging.info("building %s whole on the host before sharding it (its initializer takes no layout)",
+            logging.info("drawing %s whole on the host, as one device draws it, before sharding it",
                          variable.name)
         with tf.device(devices.host_device()):
             value = tf.convert_to_tensor(initial_value() if callable(initial_value) else initial_value, dtype=dtype)
@@ -460,6 +479,28 @@ def materialize(variable: DeferredVariable, layout: dtensor.Layout, *, drawn_val
     fresh = TofuVariable(sharded_initial_value, dtype=dtype, name=_base_name(variable.name),
                          trainable=variable.trainable, layout=layout)
     return _become(variable, fresh)
+
+
+def _uniform_by_index(variable: DeferredVariable, layout: dtensor.Layout):
+    """A tf-keras uniform draw (RandomUniform; Glorot, He, LeCun uniform) split by its first
+    dimension only, each device drawing its rows from the Philox counter at their flat offset
+    (``tofu_tf.tf.compat.counter_draws``): one device's bits, and only the shard on each device.
+    None for any other layout or initializer (drawn whole on the host)."""
+    specs = layout.sharding_specs
+    if not specs or specs[0] == dtensor.UNSHARDED or any(s != dtensor.UNSHARDED for s in specs[1:]) \
+            or variable.dtype != tf.float32:
+        return None
+    draw = compat_counter_draws.uniform_draw(variable._tofu_initial_value)
+    if draw is None or draw.shape != tuple(variable.shape.as_list()):
+        return None
+    local_shape = layout.local_shape_from_global_shape(draw.shape)
+    row = int(np.prod(draw.shape[1:], dtype=np.int64))
+    count = int(np.prod(local_shape, dtype=np.int64))
+
+    def shard(location):
+        start = location[specs[0]] * local_shape[0] * row
+        return tf.reshape(draw.flat_run(start, count), local_shape)
+    return _pack_per_device(layout, shard)
 
 
 def _on_mesh(value) -> bool:
@@ -492,19 +533,19 @@ def materialize_all(variables_and_layouts) -> None:
 
 
 def _draws_shards(variable: DeferredVariable, layout: dtensor.Layout) -> bool:
-    """Whether the variable's initializer draws its shards itself, under ``layout``: a
-    Keras initializer whose elements are drawn independently, so DTensor can shard its
-    random op. A matrix-wide one (Orthogonal's QR) would be computed whole on every
-    device inside a function (16x its size at the peak on 8 virtual CPUs); it is built
-    whole once on the host instead."""
+    """Whether the variable's initializer fills its shards itself, under ``layout``: a tf-keras
+    constant fill (zeros, ones), whose shards are one device's values wherever they are
+    filled. A random initializer's sharded draw is another stream than one device's, and a
+    matrix-wide one (Orthogonal's QR) would be computed whole on every device inside a
+    function (16x its size at the peak on 8 virtual CPUs): both are drawn whole on the host."""
     initial_value = variable._tofu_initial_value
     return (not layout.is_fully_replicated() and _takes_layout(initial_value)
-            and keras_adapter.draws_elementwise(initial_value.func))
+            and keras_adapter.fills_shards(initial_value.func))
 
 
 def _draw_together(drawn) -> list:
     """The sharded initial values of ``drawn`` (variable, layout) pairs, from one function per mesh."""
-    initializers = [_seeded(variable._tofu_initial_value) for variable, _ in drawn]
+    initializers = [variable._tofu_initial_value for variable, _ in drawn]
     values = [None] * len(drawn)
     for mesh in {layout.mesh for _, layout in drawn}:
         indices = [i for i, (_, layout) in enumerate(drawn) if layout.mesh == mesh]
@@ -513,7 +554,7 @@ def _draw_together(drawn) -> list:
         def draw(indices=indices):
             return [initializers[i](layout=drawn[i][1]) for i in indices]
 
-        with dtensor.default_mesh(mesh), keras_adapter.tf_keras_sharded_draws():
+        with dtensor.default_mesh(mesh):
             for index, value in zip(indices, draw()):
                 values[index] = value
     return values
@@ -550,17 +591,6 @@ def _become(variable, fresh):
 
 
 _WHOLE_VALUE_LOG_ELEMENTS = 1 << 16
-
-
-def _seeded(initial_value: functools.partial) -> functools.partial:
-    """tf-keras initializers refuse to draw sharded values without a seed (so
-    that every shard agrees on one random stream); give an unseeded one the seed
-    tf-keras would draw for it on one device (``keras_adapter.tf_keras_seed``)."""
-    initializer = initial_value.func
-    if getattr(initializer, "seed", 0) is not None or not hasattr(initializer, "get_config"):
-        return initial_value
-    config = dict(initializer.get_config(), seed=keras_adapter.tf_keras_seed())
-    return functools.partial(type(initializer).from_config(config), *initial_value.args, **initial_value.keywords)
 
 
 def _takes_layout(initial_value) -> bool:

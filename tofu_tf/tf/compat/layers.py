@@ -14,7 +14,8 @@ Each function changes layers of the model it is given and returns what it change
   the same cell applied per step.
 * ``dropout_step_seeded``: tf-keras draws Dropout masks (SpatialDropout's, and LSTM/GRU/SimpleRNN
   cells' dropout) with a stateful random op, which DTensor refuses; ``step_seeded_dropout``
-  draws them statelessly, seeded by the optimizer's step count (a compiled model's).
+  draws them statelessly, seeded by the optimizer's step count (a compiled model's) and the
+  call's place in the traced step, the same masks whatever the plan (``random_draws``).
 * ``input_relayout_hints``: once the plan exists, sharded Dense layers and convolutions take
   their input in the layout the plan priced (``relayout_layer_inputs``).
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 
 import tensorflow as tf
 
@@ -73,6 +75,21 @@ def step_seeded_dropout(generator, step):
     return _step_seeded_dropout_class()(generator, step)
 
 
+def same_masks_in_copy(model, copy, step) -> list[Applied]:
+    """Give ``copy`` (a one-device copy of ``model``, ``TofuStrategy.check_numerics``'s) the
+    masks ``model`` draws under the strategy: each of its layers whose counterpart in ``model``
+    draws step-seeded masks draws them too, from the same seed and ``step`` (the copy's
+    optimizer step count, which starts where the model's is). On one device the mask is drawn
+    whole, as the strategy draws it unsplit, so both sides drop the same units."""
+    changes = []
+    for (path, layer), (_, twin) in zip(keras_adapter.layer_paths(model), keras_adapter.layer_paths(copy)):
+        generator = getattr(layer, "_random_generator", None)
+        if type(generator).__name__ == "StepSeededDropout" and hasattr(getattr(twin, "_random_generator", None), "dropout"):
+            twin._random_generator = step_seeded_dropout(generator, step)  # pylint: disable=protected-access
+            changes.append(Applied(change("dropout_step_seeded"), path, "the copy's masks seeded as the model's"))
+    return changes
+
+
 @functools.lru_cache(maxsize=None)
 def _step_seeded_dropout_class():
     from tf_keras.src import backend  # the generator tf-keras layers hold; imported when a model has one
@@ -84,24 +101,31 @@ def _step_seeded_dropout_class():
         refuses. This draws it with ``stateless_dropout`` from (the layer's seed, the
         optimizer's step count, the call's place in the traced step): a new mask every
         step and for every call of a shared layer, from an op DTensor lays out like any
-        other. Under a sharded layout DTensor folds each device's coordinates into the
-        seed, so the masks are not one device's masks; they are independent draws at
-        the layer's rate all the same. It keeps the replaced generator's type, so the
-        layer's config (and a model saved from it) is unchanged.
+        other; in a strategy step its noise is drawn unsplit (the change
+        "stateless_draws_replicated"), so the masks are the same whatever the plan and the
+        device count. They are not a plain tf-keras run's masks (a stateful stream) and
+        cannot be. The call's place counts the calls within one traced graph: counted
+        over the generator's life it depended on how often the step had been traced (a
+        planning capture, a retrace), so the same step drew other masks. It keeps the
+        replaced generator's type, so the layer's config (and a model saved from it) is unchanged.
         """
 
         def __init__(self, replaced, step):
             super().__init__(replaced._create_seed(replaced._seed), rng_type=replaced._rng_type)  # pylint: disable=protected-access
             self._read_step = lambda: step  # a closure: the step is not a tracked child of the layer
-            self.calls = 0
+            self._calls = weakref.WeakKeyDictionary()   # graph -> calls traced into it
 
         def _maybe_init(self):
             self._built = True  # no generator state: the seed is all this needs
 
+        def _next_call(self) -> int:
+            graph = tf.compat.v1.get_default_graph()
+            self._calls[graph] = self._calls.get(graph, 0) + 1
+            return self._calls[graph]
+
         def dropout(self, inputs, rate, noise_shape=None):
-            self.calls += 1
             seed = tf.stack([tf.constant(self._seed, tf.int64), tf.cast(self._read_step(), tf.int64)])
-            seed = tf.random.experimental.stateless_fold_in(seed, self.calls)
+            seed = tf.random.experimental.stateless_fold_in(seed, self._next_call())
             return tf.nn.experimental.stateless_dropout(inputs, rate, seed=seed, noise_shape=noise_shape)
 
     return StepSeededDropout

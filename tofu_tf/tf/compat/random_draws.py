@@ -13,9 +13,12 @@ stateless_normal``, ``stateless_uniform``, ``stateless_truncated_normal``, ``sta
 replicated layout on the strategy's mesh right after the draw (the change
 ``stateless_draws_replicated``): DTensor then draws the whole tensor unsplit, from the seed as
 given, and the ops after it split it as their layouts ask. The values are one device's; each device
-holds the whole draw (a batch of latents). Dropout masks are not drawn through these functions
-(``stateless_dropout`` draws inside TensorFlow): they stay drawn in the layout of what they drop
-(docs/internals.md). Stateful draws (``tf.random.normal``) have no DTensor layout propagation at
+holds the whole draw (a batch of latents). ``tf.nn.experimental.stateless_dropout`` (Keras 3's
+``keras.random.dropout``, and tf-keras Dropout under the strategy: ``tofu_tf.tf.compat.layers``)
+draws its uniform noise inside TensorFlow; it is replaced likewise by the same computation
+(TensorFlow's own ``general_dropout``) with the noise drawn replicated, so a mask is one device's
+for the seed whatever the plan splits the dropped tensor by; each device holds the whole mask for a
+moment (one activation's noise) before its slice is taken. Stateful draws (``tf.random.normal``) have no DTensor layout propagation at
 all; the planner refuses them before the first step (``tofu_tf.search.targets``). Other threads
 draw as TensorFlow does.
 """
@@ -27,6 +30,7 @@ from typing import Iterator
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
+from tensorflow.python.ops import stateless_random_ops
 
 from tofu_tf.tf.compat import patching
 from tofu_tf.tf.compat.registry import change
@@ -41,6 +45,7 @@ def _tf_random(name: str):
 
 _CHANGE = change("stateless_draws_replicated")
 _PATCHES = tuple(patching.ThreadScopedPatch(_CHANGE, _tf_random(name)) for name in DRAWS)
+_DROPOUT = patching.ThreadScopedPatch(_CHANGE, lambda: (tf.nn.experimental, "stateless_dropout"))
 
 
 @contextlib.contextmanager
@@ -53,7 +58,19 @@ def draws_replicated(mesh: dtensor.Mesh) -> Iterator[None]:
             return value
         return dtensor.relayout(value, dtensor.Layout.replicated(mesh, rank=value.shape.rank))
 
+    def dropout(original, x, rate, seed, rng_alg=None, noise_shape=None, name=None):
+        rank = getattr(getattr(x, "shape", None), "rank", None)
+        if tf.executing_eagerly() or rank is None:
+            return original(x, rate, seed, rng_alg=rng_alg, noise_shape=noise_shape, name=name)
+
+        def uniform_noise(shape, dtype):       # what stateless_dropout draws, from the same seed, unsplit
+            noise = stateless_random_ops.stateless_random_uniform(shape, seed=seed, dtype=dtype, alg=rng_alg)
+            return dtensor.relayout(noise, dtensor.Layout.replicated(mesh, rank=rank))
+        return tf.nn.experimental.general_dropout(x, rate, uniform_noise, noise_shape=noise_shape,
+                                                  name=name or "stateless_dropout")
+
     with contextlib.ExitStack() as stack:
         for patch in _PATCHES:
             stack.enter_context(patch.active(replicated))
+        stack.enter_context(_DROPOUT.active(dropout))
         yield

@@ -306,17 +306,29 @@ CHANGES: tuple[Change, ...] = (
             "its variable: every variable compiled its own handle program",
         packages=("tensorflow",), site="tofu_tf.tf.compat.process"),
     Change(
-        name="tf_keras_seed_generator_lent",
-        replaces="tf-keras' global seed generator (backend._SEED_GENERATOR.generator, a threading.local), "
-                 "when the user set none: a stand-in that refuses to be consulted, while sharded initial "
-                 "values are drawn; unseeded initializers get the seed tf-keras would draw "
-                 "(tf_utils.get_random_seed)",
-        targets=("tf_keras.src.backend:_SEED_GENERATOR", "tf_keras.src.utils.tf_utils:get_random_seed",
-                 "tf_keras.src.initializers.initializers:_ensure_keras_seeded"),
-        scope=Scope.CREATION, undone="on exit of the draw, also on error; other threads never see it",
-        why="tf-keras initializers refuse to draw sharded values until a global seed generator is set; "
-            "tf_keras.utils.set_random_seed would also reseed Python's random, numpy and TensorFlow",
-        packages=("tf-keras",), site="tofu_tf.tf.keras_adapter"),
+        name="initializer_seed_pinned",
+        replaces="nothing replaced: an unseeded tf-keras initializer's RandomGenerator._maybe_init called when "
+                 "its variable is created without a value, choosing the seed its first call would choose",
+        targets=("tf_keras.src.backend:RandomGenerator._maybe_init", "tf_keras.src.backend:RandomGenerator._create_seed"),
+        scope=Scope.CREATION, undone="nothing to undo: the seed is the one the initializer's first call on one "
+                                     "device takes (from keras.utils.set_random_seed's generator, else Python's random)",
+        why="a variable TofuStrategy defers is initialized at a read or at the plan, in another order than one device "
+            "creates it, so an unseeded initializer took another weight's seed (reading one kernel first changed "
+            "every kernel's values)",
+        packages=("tf-keras",), site="tofu_tf.tf.compat.initializer_seeds"),
+    Change(
+        name="uniform_draws_by_index",
+        replaces="a tf-keras RandomUniform's or uniform VarianceScaling's generator.random_uniform, on that instance, "
+                 "for one call that records its arguments and draws nothing; each shard of a weight split by its "
+                 "first dimension drawn with StatelessRandomUniformV2 from the Philox counter at its flat offset",
+        targets=("tf_keras.src.backend:RandomGenerator.random_uniform",
+                 "tf_keras.src.backend:RandomGenerator.make_seed_for_stateless_op",
+                 "tensorflow.python.ops.random_ops_util:get_key_counter_alg",
+                 "tensorflow.python.ops.gen_stateless_random_ops_v2:stateless_random_uniform_v2"),
+        scope=Scope.CREATION, undone="the recorder is deleted from the instance on exit of the call, also on error",
+        why="a uniform draw under a split layout is another stream than one device's (DTensor folds each device's "
+            "coordinates into the seed); drawn by global index, each device draws only its shard, one device's bits",
+        packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.compat.counter_draws"),
     Change(
         name="variable_reads_forward_writes",
         replaces="DVariable subclassed (TofuVariable: _read_variable_op, scatter_add); a DeferredVariable's "
@@ -553,13 +565,16 @@ CHANGES: tuple[Change, ...] = (
         name="stateless_draws_replicated",
         replaces="tf.random.stateless_normal, stateless_uniform, stateless_truncated_normal, stateless_categorical, "
                  "stateless_gamma, stateless_binomial and stateless_poisson (the tf.random module's attributes), "
-                 "in a traced strategy step: the draw relaid replicated",
+                 "in a traced strategy step: the draw relaid replicated; tf.nn.experimental.stateless_dropout: "
+                 "general_dropout with the same uniform noise drawn replicated",
         targets=tuple(f"tensorflow:random.{name}" for name in (
             "stateless_normal", "stateless_uniform", "stateless_truncated_normal", "stateless_categorical",
-            "stateless_gamma", "stateless_binomial", "stateless_poisson")),
+            "stateless_gamma", "stateless_binomial", "stateless_poisson")) + (
+            "tensorflow:nn.experimental.stateless_dropout", "tensorflow:nn.experimental.general_dropout"),
         scope=Scope.CALL, undone="when the last strategy.run in the process returns; other threads see the original",
         why="DTensor folds each device's coordinates into the seed of a random op it lays out split: a "
-            "custom train_step's latents (keras.io's GAN) were not the numbers one device draws from the seed",
+            "custom train_step's latents (keras.io's GAN) were not the numbers one device draws from the seed, "
+            "and a dropout mask depended on the plan and the device count",
         packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.random_draws"),
     Change(
         name="custom_step_loss_marked",
