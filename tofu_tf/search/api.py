@@ -41,6 +41,7 @@ from tofu_tf.semantics.strategy import REPLICATED
 
 _MEMORY_LAMBDA = 1.0        # seconds per byte: memory dominates any communication time
 _BISECTION_STEPS = 8
+_REFINED_MESHES = 8         # meshes whose per-axis multipliers are refined under a budget (_Search._refine)
 _KEPT_PROBLEMS = 24         # axis problems kept for other multipliers (a problem does not depend on it)
 
 
@@ -546,30 +547,42 @@ class _Search:
 
     def _refine(self, meshes, budget, objective, fitting) -> list[_Candidate]:
         """Per mesh and per subset of its axes, the smallest multiplier that fits with the
-        other axes solved at zero (communication and compute only), by bisection.
+        other axes solved at zero (communication and compute only), by bisection (on a mesh
+        of more than three axes, only subsets leaving out at most one axis; at most
+        ``_REFINED_MESHES`` meshes, those with the best fitting plans first).
 
         One multiplier for all meshes and all axes (``_bisect``) stops at the smallest one
         with which *some* mesh fits; a mesh that needs a larger one, or whose best plan
         spends memory on one axis and none on another, is then only seen at the multipliers
         that bisection happened to try (on the 2-layer GPT at half its free peak the mesh
-        4 x 2 was 0.358 ms at its best uniform multiplier and 0.235 ms with the first axis
-        at zero). Meshes whose zero-multiplier bound already loses to the best fitting plan
+        4 x 2 got 0.287 ms from the multipliers bisection tried, 0.235 ms with its second
+        axis at zero: ``tests/test_search_budget.py``). Meshes whose zero-multiplier bound already loses to the best fitting plan
         are skipped, and within a bisection a multiplier whose bound loses is not priced
         (larger ones cost more time still, so the search goes lower)."""
         if objective is Objective.MEMORY:
             return []
         best = min((c.key(objective)[0] for c in fitting), default=float("inf"))
         found: list[_Candidate] = []
-        for mesh in meshes:
+        for mesh in self._to_refine(meshes, fitting, objective):
             if self.decide(mesh, 0.0).bound > best * (1 + 1e-9):
                 self.pruned += 1
                 continue
             for mask in itertools.product((0.0, 1.0), repeat=len(mesh.axes)):
-                if any(mask):
+                if any(mask) and (len(mask) <= 3 or mask.count(0.0) <= 1):
                     fits = self._bisect_mesh(mesh, mask, budget, objective, best)
                     found += fits
                     best = min([best] + [c.key(objective)[0] for c in fits])
         return found
+
+    @staticmethod
+    def _to_refine(meshes, fitting, objective) -> list[MeshSpec]:
+        """The meshes ``_refine`` bisects: at most ``_REFINED_MESHES``, those with the best
+        fitting plans so far first, then the rest in their order."""
+        best: dict[MeshSpec, float] = {}
+        for c in fitting:
+            best[c.mesh] = min(best.get(c.mesh, float("inf")), c.key(objective)[0])
+        ranked = sorted(range(len(meshes)), key=lambda i: (best.get(meshes[i], float("inf")), i))
+        return [meshes[i] for i in ranked[:_REFINED_MESHES]]
 
     def _bisect_mesh(self, mesh, mask, budget, objective, best) -> list[_Candidate]:
         """``_refine``'s bisection of one mesh, its multiplier on the axes ``mask`` marks."""
