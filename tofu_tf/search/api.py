@@ -7,7 +7,8 @@ solves each axis (Tofu's DP, the ILP, or a baseline restriction of the same
 problem) in the roles the target allows (``targets.AxisRole``: under DTensor
 each axis is solved as a batch axis and as a model axis, the cheaper kept), the
 memory budget (a Lagrange multiplier bisected until the exact liveness peak
-fits), and turning the winner into a ``Plan``. It never prices anything itself:
+fits; then, for "tofu", per mesh and per subset of its axes a multiplier of its own,
+the other axes at zero: ``_Search._refine``), and turning the winner into a ``Plan``. It never prices anything itself:
 ``tofu_tf.cost.evaluate`` does.
 """
 
