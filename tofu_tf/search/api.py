@@ -7,16 +7,19 @@ solves each axis (Tofu's DP, the ILP, or a baseline restriction of the same
 problem) in the roles the target allows (``targets.AxisRole``: under DTensor
 each axis is solved as a batch axis and as a model axis, the cheaper kept), the
 memory budget (a Lagrange multiplier bisected until the exact liveness peak
-fits), and turning the winner into a ``Plan``. It never prices anything itself:
+fits; then, for "tofu", per mesh and per subset of its axes a multiplier of its own,
+the other axes at zero: ``_Search._refine``), and turning the winner into a ``Plan``. It never prices anything itself:
 ``tofu_tf.cost.evaluate`` does.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
 import gc
+import itertools
 import time
 from typing import Callable, Mapping, Sequence
 
@@ -39,6 +42,8 @@ from tofu_tf.semantics.strategy import REPLICATED
 
 _MEMORY_LAMBDA = 1.0        # seconds per byte: memory dominates any communication time
 _BISECTION_STEPS = 8
+_REFINED_MESHES = 8         # meshes whose per-axis multipliers are refined under a budget (_Search._refine)
+_KEPT_PROBLEMS = 24         # axis problems kept for other multipliers (a problem does not depend on it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +187,7 @@ def _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_
     first_pass = len({mesh.sizes[: k + 1] for mesh in meshes for k in range(len(mesh.axes))})
     roles = (AxisRole.ANY,) if restrict is not None else axis_roles(target)   # a baseline fixes its own pattern
     search = _Search(index, liveness, hardware, solver, restrict, work, SearchProgress(first_pass), roles,
-                     pinned=pinned_layouts or {})
+                     pinned=pinned_layouts or {}, refine=method is Method.TOFU)
     if method in (Method.DATA_PARALLEL, Method.MEGATRON):
         best = min((search.solve(m, 0.0) for m in meshes), key=lambda c: c.key(objective))  # fixed patterns
     else:
@@ -361,6 +366,34 @@ class _Solved:
     decisions: tuple[AxisDecision, ...]
     exact: bool
     bound: float
+    path: tuple = ()     # per axis (role's problem, choice): equal paths, equal decisions
+
+
+class _Kept:
+    """An axis problem (one per role) kept for other multipliers, with its solutions so far.
+
+    The optimum of ``c(x) + lam * m(x)`` over a fixed set of ``x`` is concave in ``lam``
+    (a minimum of lines), and each solution's objective is a line: a solution proved
+    optimal at two multipliers is optimal at every multiplier between them. So where the
+    nearest solved multipliers on either side gave the same proved solution, it is the
+    answer without solving again."""
+
+    def __init__(self, problems):
+        self.problems = problems
+        self._solved: list[tuple[float, tuple]] = []    # (lam, (problem, solution, role)), by lam
+
+    def between(self, lam: float):
+        position = bisect.bisect_left(self._solved, lam, key=lambda entry: entry[0])
+        if position < len(self._solved) and self._solved[position][0] == lam:
+            return self._solved[position][1]
+        if 0 < position < len(self._solved):
+            (_, low), (_, high) = self._solved[position - 1], self._solved[position]
+            if low[2] == high[2] and low[1].exact and high[1].exact and low[1].choice == high[1].choice:
+                return low
+        return None
+
+    def add(self, lam: float, found) -> None:
+        bisect.insort(self._solved, (lam, found), key=lambda entry: entry[0])
 
 
 class _Search:
@@ -369,49 +402,62 @@ class _Search:
 
     def __init__(self, index: GraphIndex, liveness: Liveness, hardware: HardwareProfile,
                  solver: _AxisSolver, restrict, work, progress: SearchProgress,
-                 roles: Sequence[AxisRole] = (AxisRole.ANY,), pinned: Mapping[str, tuple] | None = None):
+                 roles: Sequence[AxisRole] = (AxisRole.ANY,), pinned: Mapping[str, tuple] | None = None,
+                 refine: bool = False):
         self.index, self.liveness, self.hardware, self.work = index, liveness, hardware, work
+        self.refine = refine
         self.pinned = pinned or {}
         self.progress, self.roles = progress, tuple(roles)
         self.pricer = StepPricer(index.graph, liveness)
         self.solver, self.restrict = solver, restrict
         self._prefixes: dict[tuple, _Solved] = {}
+        self._by_path: dict[tuple, _Solved] = {}
+        self._problems: dict[tuple, _Kept] = {}
+        self.keep_problems = False      # set once the budget needs more than one multiplier
         self.solves = 0
         self.priced = 0
         self.pruned = 0
         self.proved = True
 
-    def decide(self, mesh: MeshSpec, lam: float) -> _Solved:
+    def decide(self, mesh: MeshSpec, lam: float | tuple[float, ...]) -> _Solved:
+        """``mesh``'s decisions axis by axis at multiplier ``lam``: one for every axis, or a
+        tuple of one per axis (``_refine``)."""
+        lams = lam if isinstance(lam, tuple) else (lam,) * len(mesh.axes)
         solved = _Solved((), True, 0.0)
         for k in range(len(mesh.axes)):
-            key = (mesh.sizes[: k + 1], mesh.num_devices, lam)
+            key = (mesh.sizes[: k + 1], mesh.num_devices, lams[: k + 1])
             if key not in self._prefixes:
-                problem, solution = self._solve_axis(mesh, k, solved.decisions, lam)
-                seconds = problem.time(solution.choice)
-                self._prefixes[key] = _Solved(solved.decisions + (AxisDecision.of(problem, solution.choice, mesh.sizes[k]),),
-                                              solved.exact and solution.exact,
-                                              seconds if seconds < TIE_PENALTY else 0.0)
+                problem, solution, role = self._solve_axis(mesh, k, solved, lams[k])
+                path = solved.path + ((role, solution.choice),)
+                same = self._by_path.get((mesh.sizes[: k + 1], mesh.num_devices, path))
+                if same is None:
+                    seconds = problem.time(solution.choice)
+                    same = _Solved(solved.decisions + (AxisDecision.of(problem, solution.choice, mesh.sizes[k]),),
+                                   solved.exact and solution.exact, seconds if seconds < TIE_PENALTY else 0.0, path)
+                    self._by_path[mesh.sizes[: k + 1], mesh.num_devices, path] = same
+                self._prefixes[key] = same
             solved = self._prefixes[key]
         self.proved = self.proved and solved.exact
         return solved
 
-    def _solve_axis(self, mesh: MeshSpec, k: int, prior: tuple[AxisDecision, ...], lam: float):
-        """Axis ``k``'s problem and solution: under each role the target allows, the
-        one of least objective (``targets.axis_roles``; on a tie, the earlier role).
-        Problems elimination solves go first; a wider one then only has to beat them."""
-        link = self.hardware.axis_link(mesh, k)
+    def _solve_axis(self, mesh: MeshSpec, k: int, solved: _Solved, lam: float):
+        """Axis ``k``'s problem, solution and role (its index among the roles' problems):
+        under each role the target allows, the one of least objective
+        (``targets.axis_roles``; on a tie, the earlier role). Problems elimination solves
+        go first; a wider one then only has to beat them."""
         started = time.perf_counter()
-        problems = []
-        roles, restrict = self.roles, self.restrict
-        if self.pinned:
-            restrict = pins.both(restrict, pins.pin_restriction(self.index, self.pinned, mesh.names[k]))
-            if AxisRole.MODEL in roles and any(mesh.names[k] in layout for layout in self.pinned.values()):
-                roles = (AxisRole.MODEL,)   # it splits pinned weights, so (on DTensor) not the batch
-        options = AxisOptions(self.index, prior, mesh.sizes[k])     # what the roles' problems share
-        for role in roles:
-            builder = ProblemBuilder(self.index, prior, mesh.sizes[k], link, restrict, role, options)
-            if builder.can_build():
-                problems.append(builder.build())
+        key = (mesh.sizes[: k + 1], mesh.names[k], mesh.num_devices, solved.path)
+        kept = self._problems.get(key)
+        if kept is None:
+            kept = _Kept(self._build_axis(mesh, k, solved.decisions))
+            if self.keep_problems:
+                if len(self._problems) >= _KEPT_PROBLEMS:
+                    del self._problems[next(iter(self._problems))]
+                self._problems[key] = kept
+        between = kept.between(lam)
+        if between is not None:
+            return between
+        problems = kept.problems
         solutions = [self.solver.exact(problem, lam) for problem in problems]
         for i, problem in enumerate(problems):
             if solutions[i] is None:
@@ -424,7 +470,25 @@ class _Search:
         problem, solution = problems[best], solutions[best]
         self.progress.axis_solved(mesh.text(), k, len(mesh.axes), mesh.sizes[k], len(problem.nodes),
                                   solution.exact, time.perf_counter() - started)
-        return problem, solution
+        kept.add(lam, (problem, solution, best))
+        return problem, solution, best
+
+    def _build_axis(self, mesh: MeshSpec, k: int, prior: tuple[AxisDecision, ...]) -> list[AxisProblem]:
+        """Axis ``k``'s problem under each role the target allows, given the earlier axes'
+        decisions: what it is does not depend on the multiplier."""
+        link = self.hardware.axis_link(mesh, k)
+        problems = []
+        roles, restrict = self.roles, self.restrict
+        if self.pinned:
+            restrict = pins.both(restrict, pins.pin_restriction(self.index, self.pinned, mesh.names[k]))
+            if AxisRole.MODEL in roles and any(mesh.names[k] in layout for layout in self.pinned.values()):
+                roles = (AxisRole.MODEL,)   # it splits pinned weights, so (on DTensor) not the batch
+        options = AxisOptions(self.index, prior, mesh.sizes[k])     # what the roles' problems share
+        for role in roles:
+            builder = ProblemBuilder(self.index, prior, mesh.sizes[k], link, restrict, role, options)
+            if builder.can_build():
+                problems.append(builder.build())
+        return problems
 
     def price(self, mesh: MeshSpec, solved: _Solved) -> _Candidate:
         var_splits = _zip_tables([d.var_splits for d in solved.decisions])
@@ -460,11 +524,14 @@ class _Search:
         fitting = self._fitting(self.candidates(meshes, first_lam, budget, objective), budget)
         if fitting or objective is Objective.MEMORY:
             return self._pick(fitting, budget, objective, meshes)
+        self.keep_problems = True       # the problems repeat at other multipliers from here
         leanest = self.candidates(meshes, _MEMORY_LAMBDA, budget, objective)
         if not self._fitting(leanest, budget):
             self._raise_infeasible(leanest, budget)
-        return self._pick(self._fitting(leanest, budget) + self._bisect(meshes, budget, objective), budget,
-                          objective, meshes)
+        fitting = self._fitting(leanest, budget) + self._bisect(meshes, budget, objective)
+        if self.refine:
+            fitting += self._refine(meshes, budget, objective, fitting)
+        return self._pick(fitting, budget, objective, meshes)
 
     def _bisect(self, meshes, budget, objective) -> list[_Candidate]:
         """Lagrangian search: the smallest multiplier (least communication) that still fits."""
@@ -477,6 +544,71 @@ class _Search:
             lo, hi = (lo, mid) if fits else (mid, hi)
             if hi / lo < 1.5:
                 break
+        return found
+
+    def _refine(self, meshes, budget, objective, fitting) -> list[_Candidate]:
+        """Per mesh and per subset of its axes, the smallest multiplier that fits with the
+        other axes solved at zero (communication and compute only), by bisection (on a mesh
+        of more than three axes, only subsets leaving out at most one axis; at most
+        ``_REFINED_MESHES`` meshes, those with the best fitting plans first).
+
+        One multiplier for all meshes and all axes (``_bisect``) stops at the smallest one
+        with which *some* mesh fits; a mesh that needs a larger one, or whose best plan
+        spends memory on one axis and none on another, is then only seen at the multipliers
+        that bisection happened to try (on the 2-layer GPT at half its free peak the mesh
+        4 x 2 got 0.287 ms from the multipliers bisection tried, 0.235 ms with its second
+        axis at zero: ``tests/test_search_budget.py``). Meshes whose zero-multiplier bound already loses to the best fitting plan
+        are skipped, and within a bisection a multiplier whose bound loses is not priced
+        (larger ones cost more time still, so the search goes lower)."""
+        if objective is Objective.MEMORY:
+            return []
+        best = min((c.key(objective)[0] for c in fitting), default=float("inf"))
+        found: list[_Candidate] = []
+        for mesh in self._to_refine(meshes, fitting, objective):
+            if self.decide(mesh, 0.0).bound > best * (1 + 1e-9):
+                self.pruned += 1
+                continue
+            for mask in itertools.product((0.0, 1.0), repeat=len(mesh.axes)):
+                if any(mask) and (len(mask) <= 3 or mask.count(0.0) <= 1):
+                    fits = self._bisect_mesh(mesh, mask, budget, objective, best)
+                    found += fits
+                    best = min([best] + [c.key(objective)[0] for c in fits])
+        return found
+
+    @staticmethod
+    def _to_refine(meshes, fitting, objective) -> list[MeshSpec]:
+        """The meshes ``_refine`` bisects: at most ``_REFINED_MESHES``, those with the best
+        fitting plans so far first, then the rest in their order."""
+        best: dict[MeshSpec, float] = {}
+        for c in fitting:
+            best[c.mesh] = min(best.get(c.mesh, float("inf")), c.key(objective)[0])
+        ranked = sorted(range(len(meshes)), key=lambda i: (best.get(meshes[i], float("inf")), i))
+        return [meshes[i] for i in ranked[:_REFINED_MESHES]]
+
+    def _bisect_mesh(self, mesh, mask, budget, objective, best) -> list[_Candidate]:
+        """``_refine``'s bisection of one mesh, its multiplier on the axes ``mask`` marks."""
+        def at(lam):
+            return tuple(lam * m for m in mask)
+        top = self.price(mesh, self.decide(mesh, at(_MEMORY_LAMBDA)))
+        if top.cost.memory.peak_bytes > budget:
+            return []
+        found, lo, hi = [top], 1e-16, _MEMORY_LAMBDA
+        for _ in range(_BISECTION_STEPS * 2):
+            if hi / lo < 1.5:
+                break
+            mid = (lo * hi) ** 0.5
+            solved = self.decide(mesh, at(mid))
+            if solved.bound > best * (1 + 1e-9):
+                self.pruned += 1
+                hi = mid
+                continue
+            candidate = self.price(mesh, solved)
+            if candidate.cost.memory.peak_bytes <= budget:
+                found.append(candidate)
+                best = min(best, candidate.key(objective)[0])
+                hi = mid
+            else:
+                lo = mid
         return found
 
     @staticmethod

@@ -45,7 +45,10 @@ above (``solve_by_cuts``) remains the fallback and the reference.
 
 **Memory budget.** The budget enters as a Lagrange multiplier :math:`\lambda`
 on each option's memory; ``tofu_tf.search.api`` bisects :math:`\lambda` until
-the exact liveness peak (``tofu_tf.cost.memory``) fits.
+the exact liveness peak (``tofu_tf.cost.memory``) fits, then refines it per mesh
+and per axis (:math:`\lambda_k \in \{0, \lambda\}`, :math:`\lambda` bisected per
+mesh and subset of axes): a budget is often best met by spending memory on one
+axis and none on another.
 """
 
 from __future__ import annotations
