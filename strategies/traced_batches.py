@@ -246,19 +246,21 @@ class IteratorTraceType(tf.types.experimental.TraceType):
     def __init__(self, iterator, source, next_signature, on_mesh: bool):
         self._ref = weakref.ref(iterator)
         self._source = weakref.ref(source)
-        self._hash = hash((id(source), next_signature, on_mesh))      # fixed: a cache key outlives its iterator
+        self._hash = hash((id(source), next_signature))      # fixed: a cache key outlives its iterator
         self._next = next_signature
         self._on_mesh = on_mesh
         self._bound = self._ref
         self._pinned = None             # the iterator a trace read in the graph, once it did
 
     def _key(self):
-        return (self._source(), self._next, self._on_mesh)
+        return (self._source(), self._next)
 
     def is_subtype_of(self, other) -> bool:
         if not isinstance(other, IteratorTraceType) or self._source() is None or self._key() != other._key():
             return False
-        return other._pinned is None or other._pinned() is self._ref()
+        if other._pinned is not None:           # the trace reads its iterator's DTensor iterator in the graph
+            return other._pinned() is self._ref()
+        return not self._on_mesh                # an iterator a graph loop read gives no more host batches
 
     def most_specific_common_supertype(self, others):
         return self if all(self == other for other in others) else None
@@ -289,7 +291,7 @@ class IteratorTraceType(tf.types.experimental.TraceType):
 
     def __eq__(self, other) -> bool:
         return (isinstance(other, IteratorTraceType) and self._ref() is not None
-                and self._ref() is other._ref() and self._key() == other._key())
+                and self._ref() is other._ref() and self._key() == other._key() and self._on_mesh == other._on_mesh)
 
     def __hash__(self) -> int:
         return self._hash
