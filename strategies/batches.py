@@ -174,7 +174,7 @@ class DistributedBatches:
     def __iter__(self):
         if traced_batches.in_trace():            # iter(dist) or `for x in dist` inside a tf.function
             return traced_batches.EpochInTrace(self._dataset, functools.partial(_place_now, self._placer))
-        return _PlacingIterator(iter(self._dataset), self._placer, self._dataset)
+        return _PlacingIterator(iter(self._dataset), self._placer, self._dataset, source=self)
 
     def __len__(self):
         if self._batches < 0:
@@ -200,10 +200,16 @@ class _PlacingIterator:
     (or pending, before the plan); taken inside a tf.function the iterator is passed to, each
     becomes an input of the function (``traced_batches.ReadAhead``)."""
 
-    def __init__(self, iterator, placer: Callable[[], BatchPlacer | None], dataset: tf.data.Dataset | None = None):
+    def __init__(self, iterator, placer: Callable[[], BatchPlacer | None], dataset: tf.data.Dataset | None = None,
+                 *, source=None):
         self._placer = placer
+        self._source = self if source is None else source       # what the traces of this iterator key on
         self._batches = traced_batches.ReadAhead(iterator, functools.partial(_place_now, placer), dataset=dataset,
                                                  placer_of=placer)
+
+    @property
+    def read_ahead(self) -> traced_batches.ReadAhead:
+        return self._batches
 
     def __iter__(self):
         return self
@@ -221,6 +227,11 @@ class _PlacingIterator:
     def get_next(self):
         return next(self)
 
+    def next_bound(self, bound: traced_batches.IteratorTraceType):
+        """The next batch in a function this iterator was passed to as the argument of type ``bound``."""
+        return self._batches.next_in_trace(bound)
+
     def __tf_tracing_type__(self, context):
         del context
-        return traced_batches.IteratorTraceType(self, self._batches.peek_signature())
+        signature = self._batches.peek_signature()
+        return traced_batches.IteratorTraceType(self, self._source, signature, self._batches.on_mesh)

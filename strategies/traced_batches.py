@@ -17,9 +17,11 @@ computes on one device, a partial last batch included, and a batch whose shape d
 the one traced is refused by name, never computed on a wrong shape:
 
 - an iterator made outside the function and passed to it (``next(it)`` inside): its trace type
-  (``__tf_tracing_type__``) holds the shape of the batch it will give next, read ahead, so a
-  batch of a new shape (the partial last one) traces the function again, as
-  ``step_functions`` does for Keras' loops;
+  (``IteratorTraceType``) holds its dataset and the shape of the batch it will give next, read
+  ahead, so a batch of a new shape (the partial last one) traces the function again, as
+  ``step_functions`` does for Keras' loops, and a new iterator over the same dataset (Orbit's
+  evaluator makes one per round) reuses the trace: each call's batches are read from the
+  iterator that call passed;
 - an iterator made inside the function (``iter(dist)``, or ``for x in dist``): each call reads
   the dataset from its start, as MirroredStrategy's does, and its batches are the ones the trace
   read. A Python loop over it is unrolled in the trace, one copy of the body per batch, up to
@@ -169,10 +171,15 @@ class ReadAhead:
         self._taken += 1
         return batch
 
-    def next_in_trace(self):
+    def next_in_trace(self, bound: IteratorTraceType | None = None):
+        """Placeholders for the next batch in the function being traced. ``bound``: the type of the
+        function's argument this iterator was passed as; each call then takes the batch from the
+        iterator that call passed, read through ``bound``."""
         if self._mesh is not None and (self._mesh.started or in_graph_loop()):
             if not self._mesh.started:
                 self._start_mesh_batches()
+            if bound is not None:
+                bound.pin()
             return self._mesh.next_in_trace()
         graph = _outermost_function_graph()
         index = self._reserved.get(graph, 0)
@@ -188,10 +195,17 @@ class ReadAhead:
             self._ahead.append(batch)
         self._reserved[graph] = index + 1
         expected = signature(self._ahead[index])
-        return _input_at_call(tf.compat.v1.get_default_graph(), self._ahead[index],
-                              functools.partial(self._take, expected, index))
+        take = (functools.partial(self.take, expected, index) if bound is None else
+                lambda: bound.bound().read_ahead.take(expected, index))
+        return _input_at_call(tf.compat.v1.get_default_graph(), self._ahead[index], take)
 
-    def _take(self, expected, index):
+    @property
+    def on_mesh(self) -> bool:
+        """Whether the batches come from the DTensor iterator (a loop the graph runs took one)."""
+        return self._mesh is not None and self._mesh.started
+
+    def take(self, expected, index):
+        """The batch due at a call, checked against the one traced at ``index``, laid out."""
         batch = self._ahead.popleft() if self._ahead else _read(self._iterator)
         _check(batch, expected, f"taken {index + 1}th in the tf.function")
         self._taken += 1
@@ -212,38 +226,101 @@ class ReadAhead:
 
 
 class IteratorTraceType(tf.types.experimental.TraceType):
-    """An iterator passed to a tf.function, with the signature of the batch it gives next: a
-    batch of another shape (a partial last batch) traces the function again."""
+    """An iterator of a distributed dataset passed to a tf.function: its trace is keyed by the
+    dataset it iterates and the signature of the batch it gives next, not by the iterator.
 
-    def __init__(self, iterator, next_signature):
+    tf.data's own iterators and MirroredStrategy's are ``CompositeTensor``s whose type spec holds
+    the element spec, and the graph reads the iterator resource passed as an input, so a new
+    iterator over the same data reuses the trace (Orbit's evaluator makes one per round). Here
+    the trace's batches are inputs captured at call time, read on the host and laid out on the
+    mesh; so the trace reads them from the iterator *bound* to its argument: the trace-time
+    iterator while tracing (``placeholder_value``), the call's at each call (``to_tensors``, which
+    ``tf.function`` calls with the argument's value on the matched trace's own type before it reads
+    the captured inputs). Each argument has its own type, so two iterators of one dataset passed
+    in one call stay apart. A batch of another shape (a partial last batch) traces again.
+
+    A trace that reads the batches in the graph (a loop the graph runs: ``MeshBatches``) holds the
+    trace-time iterator's DTensor iterator as a capture, so it is ``pin``ned to that iterator:
+    another iterator traces again, as before."""
+
+    def __init__(self, iterator, source, next_signature, on_mesh: bool):
         self._ref = weakref.ref(iterator)
+        self._source = weakref.ref(source)
+        self._hash = hash((id(source), next_signature))      # fixed: a cache key outlives its iterator
         self._next = next_signature
+        self._on_mesh = on_mesh
+        self._bound = self._ref
+        self._pinned = None             # the iterator a trace read in the graph, once it did
+
+    def _key(self):
+        return (self._source(), self._next)
 
     def is_subtype_of(self, other) -> bool:
-        return self == other
+        if not isinstance(other, IteratorTraceType) or self._source() is None or self._key() != other._key():
+            return False
+        if other._pinned is not None:           # the trace reads its iterator's DTensor iterator in the graph
+            return other._pinned() is self._ref()
+        return not self._on_mesh                # an iterator a graph loop read gives no more host batches
 
     def most_specific_common_supertype(self, others):
         return self if all(self == other for other in others) else None
 
     def placeholder_value(self, placeholder_context):
         del placeholder_context
-        return self._ref()
+        self._bound = self._ref
+        return BoundIterator(self)
+
+    def to_tensors(self, value):
+        self._bound = weakref.ref(value)
+        return []
 
     def cast(self, value, cast_context):
         del cast_context
-        if value is not self._ref():
-            raise ValueError(f"cannot cast {value!r} to the trace type of another iterator")
         return value
+
+    def bound(self):
+        """The iterator the trace reads now: the trace-time one, then each call's."""
+        iterator = self._bound()
+        if iterator is None:
+            raise TracedBatchError("the iterator a tf.function was called with is gone")
+        return iterator
+
+    def pin(self) -> None:
+        """The trace reads the bound iterator in the graph: calls with another iterator trace again."""
+        self._pinned = self._bound
 
     def __eq__(self, other) -> bool:
         return (isinstance(other, IteratorTraceType) and self._ref() is not None
-                and self._ref() is other._ref() and self._next == other._next)
+                and self._ref() is other._ref() and self._key() == other._key() and self._on_mesh == other._on_mesh)
 
     def __hash__(self) -> int:
-        return hash((self._ref, self._next))
+        return self._hash
 
     def __repr__(self):
         return f"IteratorTraceType(next batch {self._next})"
+
+
+class BoundIterator:
+    """The iterator argument as the traced function sees it: each batch it gives is read, at each
+    call, from the iterator the call passed (``IteratorTraceType.bound``)."""
+
+    def __init__(self, trace_type: IteratorTraceType):
+        self._type = trace_type
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._type.bound().next_bound(self._type)
+
+    def get_next(self):
+        return next(self)
+
+    def __tf_tracing_type__(self, context):
+        return self._type.bound().__tf_tracing_type__(context)
+
+    def __getattr__(self, name):
+        return getattr(self._type.bound(), name)
 
 
 class EpochInTrace:

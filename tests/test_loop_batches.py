@@ -15,6 +15,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tofu_tf.strategies import TofuStrategy
+from tofu_tf.strategies.batches import to_host
 from tofu_tf.strategies.traced_batches import TracedBatchError
 
 pytestmark = pytest.mark.slow   # trains under TofuStrategy
@@ -88,3 +89,43 @@ def test_a_loop_after_batches_taken_another_way_is_refused():
     strategy.run(step, args=(next(iterator),))          # one batch taken eagerly, outside the loop
     with pytest.raises(Exception, match=f"{TracedBatchError.__name__}: .* already gave 1 batch"):
         train(iterator, tf.constant(2))                 # raised while tracing: autograph wraps it in a StagingError
+
+
+def test_a_new_iterator_per_call_reuses_the_trace_and_two_in_one_call_stay_apart():
+    """Each call's batches come from the iterators that call passes (``IteratorTraceType`` keys a
+    trace by the dataset and the batch signature, and binds each argument's iterator at the call):
+    a new iterator over the same dataset reuses the trace (issue #36: Orbit's evaluator makes one
+    per round), and two iterators of one dataset in one call each give their own batch."""
+    strategy, _, step, _ = _under_strategy()
+    dist = strategy.experimental_distribute_dataset(_dataset(repeat=False))
+    strategy.run(step, args=(next(iter(dist)),))        # plans
+    traces = []
+
+    @tf.function
+    def sums(first, second):
+        traces.append(1)
+        return tf.reduce_sum(next(first)[0]), tf.reduce_sum(next(second)[0])
+    want = [float(x.numpy().sum()) for x, _ in _dataset(repeat=False)]
+    first, second = iter(dist), iter(dist)
+    next(second)
+    np.testing.assert_allclose([float(to_host(v)) for v in sums(first, second)], [want[0], want[1]], rtol=1e-6)
+    first, second = iter(dist), iter(dist)
+    next(first), next(first)
+    np.testing.assert_allclose([float(to_host(v)) for v in sums(first, second)], [want[2], want[0]], rtol=1e-6)
+    assert len(traces) == 1
+
+
+def test_a_loop_the_graph_runs_traces_again_for_a_new_iterator():
+    """A trace whose loop reads its batches in the graph holds the first iterator's DTensor iterator:
+    a new iterator traces again and trains on its own batches, from the dataset's start."""
+    strategy, model, _, train = _under_strategy()
+    train(iter(strategy.experimental_distribute_dataset(_dataset())), tf.constant(2))
+    traces = train.experimental_get_tracing_count()
+    train(iter(strategy.experimental_distribute_dataset(_dataset())), tf.constant(2))
+    assert train.experimental_get_tracing_count() > traces
+    one_model, optimizer = _model(), keras.optimizers.SGD(0.1)
+    one_step = _step(one_model, optimizer)
+    for batch in _dataset().take(2).concatenate(_dataset().take(2)):
+        one_step(batch)
+    for got, want in zip(model.get_weights(), one_model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
