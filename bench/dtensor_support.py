@@ -259,11 +259,16 @@ def _kwargs(op_type, case, values, variables, params, op_def, cases):
 
 # -- the parent: children until every unit has an outcome ---------------------------------------
 
+REPLICATED_SWITCH_PREFIX = "DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_"   # tofu_tf/tf/compat/decoding.py
+
 def probe(keys, *, timeout: int = 900) -> dict:
     """{key: {layout: outcome}} for ``keys`` (op types of the registry or keys of ``SWEEP_KEYS``)."""
     pending = [f"{key}@{layout}" for key in keys for layout in LAYOUTS]
     results: dict[str, dict] = {}
-    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
+    # DTensor's own behaviour: without the switches that enroll ops in its replicated expansion
+    # (a TofuStrategy of this process may have set some, e.g. for MatrixDiagV3).
+    env = {key: value for key, value in os.environ.items() if not key.startswith(REPLICATED_SWITCH_PREFIX)}
+    env.update(PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
     while pending:
         try:
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *pending], cwd=ROOT,

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import gen_stateless_random_ops_v2, random_ops_util
 
+from tofu_tf.errors import TofuError
 from tofu_tf.tf.compat.registry import change
 
 _CHANGE = change("uniform_draws_by_index")
@@ -57,7 +58,10 @@ class UniformDraw:
         return words * (maxval - minval) + minval    # stateless_uniform's own arithmetic, op for op
 
 
-class _Recorded(Exception):
+class _Recorded(TofuError):
+    """Internal: stops the initializer at its draw and carries the draw's arguments out (never
+    reaches a user)."""
+
     def __init__(self, arguments):
         super().__init__("recorded")
         self.arguments = arguments
