@@ -15,8 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
 
-def _table(*models):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "executed.py"), f"--models={','.join(models)}"],
+def _table(*models, flags=()):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "executed.py"), f"--models={','.join(models)}",
+                          *flags],
                          cwd=ROOT, capture_output=True, text=True, timeout=900,
                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     rows = {}
@@ -38,3 +39,12 @@ def test_a_sharded_mlp_runs_the_one_all_reduce_its_plan_prices():
     assert runs[3] == "1" and " ".join(runs[7:]) == "1 all-reduce"
     assert float(runs[4]) == pytest.approx(float(runs[5]), rel=1e-6)
     assert rows[("mlp", "state/device")][4] == "0%"
+
+
+def test_a_gradient_adam_reads_twice_is_priced_as_the_one_all_reduce_dtensor_runs():
+    """Data parallel: Adam reads each gradient twice (its two moments), DTensor all-reduces it
+    once; the cost model prices the conversion once per tensor and layout, not per reader."""
+    out, rows = _table("mlp", flags=("--method=data_parallel",))
+    count, expressed, modeled, gap = rows[("mlp", "all-reduce")][2:6]
+    assert float(expressed) == pytest.approx(float(modeled), rel=1e-6), out.stdout
+    assert rows[("mlp", "runs")][6] == "0%", out.stdout

@@ -31,7 +31,7 @@ def _recompute_comm(graph: ir.Graph, plan: Plan) -> float:
     mesh = plan.mesh_axes
     from tofu_tf.mesh import MeshSpec
     spec = MeshSpec(tuple(mesh))
-    total = 0.0
+    total, converted = 0.0, set()     # a tensor is converted once per layout its readers ask for
     for op_name, strategy_names in plan.op_strategies.items():
         op = ops[op_name]
         for j, name in enumerate(op.inputs):
@@ -41,6 +41,9 @@ def _recompute_comm(graph: ir.Graph, plan: Plan) -> float:
                 continue
             src_layout, partial = plan.tensor_layouts[source], plan.partial_tensors.get(source, ())
             dst = [_required(graph, plan, op, j, k, strategy_names[k], sizes[k]) for k in range(len(names))]
+            if (source, tuple(dst)) in converted:
+                continue
+            converted.add((source, tuple(dst)))
             for k, axis in enumerate(names):
                 src = TensorSplit(partial=Reduction.SUM) if axis in partial else _split(src_layout, axis)
                 div = 1
@@ -61,13 +64,14 @@ def _required(graph, plan, op, j, k, name, n):
 
 def _ring_seconds(src, dst, nbytes, n, link):
     if src.partial is not None:
-        factor, steps = ((n - 1) / n, n - 1) if dst.dim is not None else (2 * (n - 1) / n, 2 * (n - 1))
+        scatter = dst.dim is not None and not link.gathers_by_all_reduce     # else run as an all-reduce
+        factor, steps = ((n - 1) / n, n - 1) if scatter else (2 * (n - 1) / n, 2 * (n - 1))
         if dst.partial is not None:
             return 0.0
     elif src.dim is None or dst.partial is not None or src.dim == dst.dim:
         return 0.0
-    elif dst.dim is None:
-        factor, steps = (n - 1) / n, n - 1
+    elif dst.dim is None:     # an all-gather: DTensor runs it as an all-reduce of the gathered size
+        factor, steps = ((2 * (n - 1) / n, 2 * (n - 1)) if link.gathers_by_all_reduce else ((n - 1) / n, n - 1))
     else:
         factor, steps = (n - 1) / (n * n), n - 1
     return steps * link.latency + factor * nbytes / link.bandwidth

@@ -2,7 +2,8 @@
 
 Given a graph, a mesh and, for every op, the strategy it runs on each mesh
 axis (plus each variable's split per axis), this module prices the whole
-step: every (producer, consumer) conversion on every axis, and the peak
+step: every conversion a tensor's readers ask for on every axis (once per
+tensor and layout, however many ops read it in that layout), and the peak
 memory per device by liveness. It is the single definition of "what a plan
 costs" -- the search reports these numbers, and tests recompute them.
 
@@ -89,7 +90,7 @@ class StepPricer:
         self._max_out = max((len(op.outputs) for op in graph.ops), default=0) + 1
         layer_of = {op.name: op.layer for op in graph.ops}
         layers: dict[str, int] = {}
-        uses = []                                  # (consumer, slot, producer, output, bytes, layer) per use
+        uses = []                                  # (consumer, slot, producer, output, bytes, layer, source) per use
         sources: dict[str, tuple | None] = {}      # per source tensor: what every use of it shares
         aliases, tensors, op_index, absent = self.aliases, graph.tensors, self._op_index, self._absent
         resource, dtype_bytes = ir.Role.RESOURCE, ir.DTYPE_BYTES
@@ -104,17 +105,18 @@ class StepPricer:
                     else:
                         made, index = made_by.get(source, (None, 0))
                         known = (op_index.get(made, absent), index, float(tensor.num_bytes),
-                                 layer_of.get(tensor.producer))
+                                 layer_of.get(tensor.producer), len(sources))
                     sources[source] = known
                 if known is None:
                     continue
                 label = op.layer or known[3] or "(outside layers)"
-                uses.append((i, j, known[0], known[1], known[2], layers.setdefault(label, len(layers))))
-        consumer, slot, producer, out, nbytes, layer = zip(*uses) if uses else ((),) * 6
+                uses.append((i, j, known[0], known[1], known[2], layers.setdefault(label, len(layers)), known[4]))
+        consumer, slot, producer, out, nbytes, layer, source = zip(*uses) if uses else ((),) * 7
         self._layers = tuple(layers)
         self._use_consumer, self._use_slot = np.asarray(consumer, dtype=np.int64), np.asarray(slot, dtype=np.int64)
         self._use_producer, self._use_out = np.asarray(producer, dtype=np.int64), np.asarray(out, dtype=np.int64)
         self._use_bytes, self._use_layer = np.asarray(nbytes, dtype=np.float64), np.asarray(layer, dtype=np.int64)
+        self._use_source = np.asarray(source, dtype=np.int64)
         live_producer, live_out = [], []
         for name in self.liveness.names:
             made, index = made_by.get(self.aliases.get(name, name), (None, 0))
@@ -169,6 +171,11 @@ class StepPricer:
         nbytes, layer = self._use_bytes[decided], self._use_layer[decided]
         dst = codes.inputs[codes.rows[consumer], slot[:, None]]          # [use, axis]
         src = codes.outputs[codes.rows[producer], out[:, None]]
+        # A tensor is converted once per layout its readers ask for, however many read it
+        # (DTensor relayouts the value, not the use): keep each (tensor, layout) at its first use.
+        once = np.unique(np.column_stack([self._use_source[decided], dst]), axis=0, return_index=True)[1]
+        once.sort()
+        producer, out, nbytes, layer, dst, src = producer[once], out[once], nbytes[once], layer[once], dst[once], src[once]
         num_axes = len(sizes)
         dst_split = np.where(dst >= 0, sizes, 1)
         src_split = np.where(src >= 0, sizes, 1)
