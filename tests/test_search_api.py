@@ -249,8 +249,23 @@ def test_where_no_mesh_that_follows_the_hosts_fits_every_mesh_is_searched(caplog
     assert not any("searched" in note for note in plan.notes)     # every mesh was searched in the end
 
 
-def test_one_device_is_refused_naming_why():
-    """One device has nothing to split: a clear error, not an IndexError from the search."""
+@pytest.mark.parametrize("method", METHODS)
+def test_one_device_is_planned_whole(method):
+    """One device (``TofuStrategy(num_gpus=1)``): a plan on a one-device mesh with every tensor
+    whole and nothing moved, not an error from the search over no mesh axes."""
+    graph = mlp_graph()
+    plan = plan_graph(graph, num_devices=1, method=method, strategy_provider=stub_strategies)
+    check_plan(graph, plan, num_devices=1)
+    assert list(plan.mesh_shape.values()) == [1] and plan.comm_seconds == 0
+    assert plan.peak_memory_bytes == plan_graph(graph, num_devices=1, method="data_parallel",
+                                                strategy_provider=stub_strategies).peak_memory_bytes
+
+
+def test_one_device_under_a_budget_it_cannot_meet_is_infeasible_and_no_device_count_is_not_a_plan():
     from tofu_tf.mesh import LayoutError
-    with pytest.raises(LayoutError, match="num_devices=1: .* one device has nothing to split"):
-        plan_graph(mlp_graph(), num_devices=1, strategy_provider=stub_strategies)
+    graph = mlp_graph()
+    whole = plan_graph(graph, num_devices=1, strategy_provider=stub_strategies).peak_memory_bytes
+    with pytest.raises(InfeasibleBudgetError):
+        plan_graph(graph, num_devices=1, memory_budget_bytes=whole // 2, strategy_provider=stub_strategies)
+    with pytest.raises(LayoutError, match="num_devices=0: a plan needs a positive number of devices"):
+        plan_graph(graph, num_devices=0, strategy_provider=stub_strategies)

@@ -120,7 +120,7 @@ def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | 
             runs in no layout (each is named, with a rewrite).
         tofu_tf.search.ilp.ILPError: ``method`` is "ilp" and HiGHS found no solution of an
             axis within ``time_limit_s``.
-        tofu_tf.mesh.LayoutError: ``num_devices`` is not at least 2, or ``mesh_shape`` is not a
+        tofu_tf.mesh.LayoutError: ``num_devices`` is not positive, or ``mesh_shape`` is not a
             dict or tuple of positive int sizes.
         ValueError: An unknown ``method``, ``objective``, ``hardware`` or ``target``; a
             ``mesh_shape`` of another device count, or one other than its own mesh for
@@ -136,9 +136,8 @@ def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | 
         >>> tofu_tf.plan_graph(graph, num_devices=4, method="data_parallel").mesh_shape
         {'batch': 4}
     """
-    if num_devices == 1:
-        raise LayoutError("num_devices=1: a plan partitions a step over several devices, and one device has "
-                          "nothing to split; train without a plan (or TofuStrategy), or plan for 2 or more devices")
+    if num_devices < 1:
+        raise LayoutError(f"num_devices={num_devices!r}: a plan needs a positive number of devices")
     with _collector_paused():
         return _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_shape, objective,
                            strategy_provider, time_limit_s, max_states, target, pinned_layouts)
@@ -278,7 +277,7 @@ def _best_aligned_first(search: "_Search", meshes: list[MeshSpec], budget: int, 
     try:
         return search.best_under_budget(meshes, budget, objective), meshes
     except InfeasibleBudgetError:
-        every = [] if mesh_shape is not None else [_mesh(sizes) for sizes in ordered_factorizations(n)]
+        every = [] if mesh_shape is not None or n == 1 else [_mesh(sizes) for sizes in ordered_factorizations(n)]
         rest = [mesh for mesh in every if mesh not in meshes]
         if not rest:
             raise
@@ -304,6 +303,8 @@ def _meshes_and_restriction(method: Method, index: GraphIndex, n: int, mesh_shap
         if given.num_devices != n:
             raise ValueError(f"mesh_shape {given.text()} has {given.num_devices} devices, not num_devices={n}")
         return [given], None
+    if n == 1:      # one device: nothing to split, one mesh of one axis (the step runs whole, as without a plan)
+        return [MeshSpec((("batch", 1),))], None
     return [_mesh(sizes) for sizes in host_aligned_factorizations(n, hardware.devices_per_node)], None
 
 
