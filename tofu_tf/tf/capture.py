@@ -523,8 +523,11 @@ class _Translator:
         bound = _index_length_bound(op)
         for index, (tensor, out_name) in enumerate(zip(op.outputs, outputs)):
             if bound is not None and tensor.shape.rank == 1 and tensor.shape[0] is None:
-                self._tensors[out_name] = ir.Tensor(name=out_name, shape=(bound,), dtype=tensor.dtype.name,
-                                                    role=ir.Role.SCALAR, producer=name)
+                folded = (_folded_value(op, index, [self._tensors.get(i) for i in inputs])
+                          if op.type in _FOLDED_SHAPE_OPS else None)
+                self._tensors[out_name] = ir.Tensor(
+                    name=out_name, shape=(bound if folded is None else len(folded),), dtype=tensor.dtype.name,
+                    role=ir.Role.SCALAR, producer=name, const_value=folded)
             elif index in workspace:
                 self._workspace.add(out_name)
                 self._tensors[out_name] = ir.Tensor(name=out_name, shape=(), dtype=tensor.dtype.name,
@@ -597,10 +600,13 @@ class _Translator:
             if source is not None and source.shape is not None and None not in source.shape:
                 shape = source.shape
         role = self._role(tensor, name, op, shape, dtype, variable)
+        const_value = _const_value(tensor, shape)
+        if const_value is None and op.type in _FOLDED_SHAPE_OPS:
+            const_value = _folded_value(op, tensor.value_index, [self._tensors.get(i) for i in inputs])
         return ir.Tensor(
             name=name, shape=shape if shape is not None else (None,), dtype=dtype, role=role,
             producer=producer, variable_path=variable if role in _VARIABLE_ROLES else None,
-            const_value=_const_value(tensor, shape))
+            const_value=const_value)
 
     def _variable_of(self, op, inputs) -> str | None:
         if op.type == "ReadVariableOp" and inputs:
@@ -782,6 +788,35 @@ def _const_value(tensor, shape):
     except Exception:  # constant folding is best effort; a non-constant is simply None
         return None
     return None if value is None else _small_tensor_value(np.asarray(value))
+
+
+# Integer ops of shapes that ``tf.get_static_value`` leaves unknown, though their inputs are
+# known: a gradient's reduction axes (``BroadcastGradientArgs`` of two sliced static shapes:
+# BatchMatMulV2's and broadcasting ops' gradients) and a transpose's inverse permutation
+# (Transpose's gradient). Unknown, they left the ops reading them one strategy only: whole
+# (every Sum over a batched einsum's gradient and every transposed gradient of keras-hub's
+# attention all-gathered its batch under data parallelism, which DTensor does not do).
+_FOLDED_SHAPE_OPS = frozenset({"StridedSlice", "BroadcastGradientArgs", "InvertPermutation"})
+
+
+def _folded_value(op, index: int, inputs: list):
+    """Output ``index`` of ``op`` (one of ``_FOLDED_SHAPE_OPS``), computed by TF's own kernel
+    from its inputs' known values (``inputs``: their IR tensors); None if one is unknown."""
+    if any(t is None or t.const_value is None or None in t.shape for t in inputs):
+        return None
+    values = [np.asarray(t.const_value, dtype=t.dtype).reshape(t.shape) for t in inputs]
+    with tf.init_scope():            # eagerly, outside the graph being read
+        if op.type == "InvertPermutation":
+            outputs = [tf.raw_ops.InvertPermutation(x=values[0])]
+        elif op.type == "BroadcastGradientArgs":
+            outputs = tf.raw_ops.BroadcastGradientArgs(s0=values[0], s1=values[1])
+        else:
+            masks = {name: op.get_attr(name) for name in (
+                "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+            outputs = [tf.raw_ops.StridedSlice(input=values[0], begin=values[1], end=values[2], strides=values[3],
+                                               **masks)]
+        value = np.asarray(outputs[index])
+    return None if value.size > _CONST_MAX_ELEMENTS else _small_tensor_value(value)
 
 
 def _check_static_shapes(graph: ir.Graph) -> None:
