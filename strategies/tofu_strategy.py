@@ -249,7 +249,7 @@ class TofuStrategy(distribute_lib.Strategy):
             reduce_op = tf.distribute.ReduceOp(reduce_op.upper())
         value = tf.nest.map_structure(_global_value, value)
         if axis is None:
-            return value
+            return tf.nest.map_structure(self._whole, value)
         reduce = tf.reduce_mean if reduce_op == tf.distribute.ReduceOp.MEAN else tf.reduce_sum
         return tf.nest.map_structure(lambda v: reduce(v, axis=axis), value)
 
@@ -257,7 +257,20 @@ class TofuStrategy(distribute_lib.Strategy):
         """The global value: with one replica over the whole batch, the concatenation of
         the replicas' values along ``axis`` is the value itself."""
         del axis
-        return tf.nest.map_structure(_global_value, value)
+        return tf.nest.map_structure(lambda v: self._whole(_global_value(v)), value)
+
+    def _whole(self, value):
+        """``value`` as every replica's results together: readable on the host, as
+        MirroredStrategy's reduced and gathered values are. A per-sample value a data-parallel
+        step leaves split over the batch cannot be copied off the mesh as it is ("Trying to copy
+        a non-single-device and non-replicated DTensor"): eagerly it is assembled on the host, in
+        a function made replicated on the mesh."""
+        if not tf.is_tensor(value) or isinstance(value, tf.Variable) or self.extended._lowered is None:  # pylint: disable=protected-access
+            return value
+        if tf.executing_eagerly():
+            split = dtensor.is_dtensor(value) and not dtensor.fetch_layout(value).is_fully_replicated()
+            return batches_lib.to_host(value) if split else value
+        return dtensor.relayout(value, dtensor.Layout.replicated(self.mesh, rank=value.shape.rank))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1018,8 +1031,12 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         return value
 
     def _local_results(self, value):
-        """One local result: the global value (one replica runs over the whole batch)."""
-        return (_global_value(value),)
+        """One local result: the global value (one replica runs over the whole batch); eagerly,
+        readable on the host (``TofuStrategy._whole``). In a function it stays in its layout:
+        Keras reads a step's outputs there, and a sharded head's logits made whole on every
+        device would cost what sharding saved."""
+        value = _global_value(value)
+        return (self._container_strategy()._whole(value) if tf.executing_eagerly() else value,)  # pylint: disable=protected-access
 
 
 def _created_variable(weight):

@@ -147,11 +147,14 @@ def test_a_loop_planned_with_plan_model_trains_as_one_device():
     np.testing.assert_allclose(loop.train(strategy.experimental_distribute_dataset(_dataset())), expected, rtol=1e-5)
 
 
-def test_reduce_gather_and_local_results_inside_and_outside_tf_function():
+@pytest.mark.parametrize("method", ["data_parallel", "megatron"])
+def test_reduce_gather_and_local_results_inside_and_outside_tf_function(method):
     """Per-sample values reduce over the global batch as MirroredStrategy reduces its
     replicas' slices: SUM/MEAN with axis=None leave a step's (global) value, axis=0
-    reduces along the batch."""
-    strategy = TofuStrategy(8)
+    reduces along the batch. Under data parallelism the per-sample values stay split over
+    the batch: before, reading the reduced (axis=None), gathered or local values failed
+    ("Trying to copy a non-single-device and non-replicated DTensor")."""
+    strategy = TofuStrategy(8, method=method)
     loop = _Loop(tf_keras, strategy)
     x, y = _data(GLOBAL_BATCH)
     batch = next(iter(strategy.experimental_distribute_dataset(

@@ -39,7 +39,9 @@ WIDTH = 64
 # first step in DTensor's reduction expander ("EmitAllScatter ... not more sharded than the
 # original_layout") until each gradient reached the optimizer in its variable's layout
 # (tofu_tf.tf.compat.optimizers.relayout_gradients).
-UNDER_BUDGET = frozenset({"t5", "gemma"})
+# Llama's and Mistral's cheapest plans are data parallel on the CPU profile, whose gradient
+# all-reduces share one latency (tofu_tf.cost.collectives): they run under half that peak too.
+UNDER_BUDGET = frozenset({"t5", "gemma", "llama", "mistral"})
 # Families whose every plan keeps the weights whole, and why (their step trains, evaluates and predicts
 # as one device's all the same).
 WEIGHTS_WHOLE = {

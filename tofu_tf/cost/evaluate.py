@@ -3,8 +3,9 @@
 Given a graph, a mesh and, for every op, the strategy it runs on each mesh
 axis (plus each variable's split per axis), this module prices the whole
 step: every conversion a tensor's readers ask for on every axis (once per
-tensor and layout, however many ops read it in that layout), and the peak
-memory per device by liveness. It is the single definition of "what a plan
+tensor and layout, however many ops read it in that layout; the gradients'
+all-reduces sharing one latency where ``Link.combines_gradient_all_reduces``),
+and the peak memory per device by liveness. It is the single definition of "what a plan
 costs" -- the search reports these numbers, and tests recompute them.
 
 A conversion on axis ``k`` is done after the consumer's layout is in place on
@@ -105,18 +106,20 @@ class StepPricer:
                     else:
                         made, index = made_by.get(source, (None, 0))
                         known = (op_index.get(made, absent), index, float(tensor.num_bytes),
-                                 layer_of.get(tensor.producer), len(sources))
+                                 layer_of.get(tensor.producer), len(sources), tensor.role is ir.Role.GRADIENT)
                     sources[source] = known
                 if known is None:
                     continue
                 label = op.layer or known[3] or "(outside layers)"
-                uses.append((i, j, known[0], known[1], known[2], layers.setdefault(label, len(layers)), known[4]))
-        consumer, slot, producer, out, nbytes, layer, source = zip(*uses) if uses else ((),) * 7
+                uses.append((i, j, known[0], known[1], known[2], layers.setdefault(label, len(layers)), known[4],
+                             known[5]))
+        consumer, slot, producer, out, nbytes, layer, source, gradient = zip(*uses) if uses else ((),) * 8
         self._layers = tuple(layers)
         self._use_consumer, self._use_slot = np.asarray(consumer, dtype=np.int64), np.asarray(slot, dtype=np.int64)
         self._use_producer, self._use_out = np.asarray(producer, dtype=np.int64), np.asarray(out, dtype=np.int64)
         self._use_bytes, self._use_layer = np.asarray(nbytes, dtype=np.float64), np.asarray(layer, dtype=np.int64)
         self._use_source = np.asarray(source, dtype=np.int64)
+        self._use_gradient = np.asarray(gradient, dtype=bool)      # the tensor is a gradient the optimizer reads
         live_producer, live_out = [], []
         for name in self.liveness.names:
             made, index = made_by.get(self.aliases.get(name, name), (None, 0))
@@ -176,6 +179,7 @@ class StepPricer:
         once = np.unique(np.column_stack([self._use_source[decided], dst]), axis=0, return_index=True)[1]
         once.sort()
         producer, out, nbytes, layer, dst, src = producer[once], out[once], nbytes[once], layer[once], dst[once], src[once]
+        gradient = self._use_gradient[decided][once]
         num_axes = len(sizes)
         dst_split = np.where(dst >= 0, sizes, 1)
         src_split = np.where(src >= 0, sizes, 1)
@@ -190,8 +194,13 @@ class StepPricer:
             kind[size <= 0] = -1
             factor, fixed = _collective_tables(int(sizes[k]), links[k])
             moved = factor[kind] * size
+            latency = fixed[kind]
+            if links[k].combines_gradient_all_reduces:
+                # The gradients' all-reduces run as one: the first pays the latency for all.
+                combined = np.flatnonzero(gradient & (kind == _ALL_REDUCE))
+                latency[combined[1:]] = 0.0
             kinds.append(kind), moved_bytes.append(moved)
-            seconds.append(fixed[kind] + moved / links[k].bandwidth)
+            seconds.append(latency + moved / links[k].bandwidth)
         kind = np.stack(kinds, axis=1).ravel() if kinds else np.zeros(0, dtype=np.int64)
         moved_bytes = np.stack(moved_bytes, axis=1).ravel() if kinds else np.zeros(0)
         seconds = np.stack(seconds, axis=1).ravel() if kinds else np.zeros(0)
@@ -211,6 +220,7 @@ class StepPricer:
 
 
 _COLLECTIVES = tuple(Collective)
+_ALL_REDUCE = _COLLECTIVES.index(Collective.ALL_REDUCE)
 _REDUCTIONS = tuple(Reduction)
 
 

@@ -46,6 +46,12 @@ class Link:
     latency_per_collective: bool = False
     gathers_by_all_reduce: bool = True
 
+    @property
+    def combines_gradient_all_reduces(self) -> bool:
+        """Whether the step's gradient all-reduces share one latency (DTensor combines them;
+        priced where the latency is per collective: ``tofu_tf.cost.collectives``)."""
+        return self.latency_per_collective
+
     def __post_init__(self):
         if self.bandwidth <= 0 or self.latency < 0:
             raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")

@@ -36,6 +36,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from tofu_tf import ir
 from tofu_tf.cost.collectives import transfer_seconds
 from tofu_tf.cost.compute import is_split
 from tofu_tf.cost.hardware import Link
@@ -473,13 +474,16 @@ class ProblemBuilder:
             src = tuple([o.strategies[member].outputs[out] for o in nodes[pu].options])
         member, j = use.consumer_member, use.j
         dst = tuple([o.strategies[member].inputs[j] for o in nodes[use.consumer_node].options])
-        self._add_matrix(use.consumer_node, pu, self._transfer_matrix(src, dst, nbytes), unary, pair_costs, shared)
+        gradient = self.link.combines_gradient_all_reduces and self.tensors[source].role is ir.Role.GRADIENT
+        self._add_matrix(use.consumer_node, pu, self._transfer_matrix(src, dst, nbytes, gradient), unary, pair_costs,
+                         shared)
 
-    def _transfer_matrix(self, src: tuple, dst: tuple, nbytes: float) -> np.ndarray:
-        key = (src, dst, nbytes)
+    def _transfer_matrix(self, src: tuple, dst: tuple, nbytes: float, gradient: bool = False) -> np.ndarray:
+        key = (src, dst, nbytes, gradient)
         matrix = self._matrices.get(key)
         if matrix is None:
-            table = {(s, d): transfer_seconds(s, d, nbytes, self.n, self.link) for s in set(src) for d in set(dst)}
+            table = {(s, d): transfer_seconds(s, d, nbytes, self.n, self.link, gradient=gradient)
+                     for s in set(src) for d in set(dst)}
             matrix = np.asarray([[table[s, d] for d in dst] for s in src], dtype=np.float64)
             self._matrices[key] = matrix
         return matrix
