@@ -912,12 +912,18 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             self._plan_from_specs(model, keras_hooks.split_step_data(tf.nest.map_structure(_spec_of, args)))
             return
         optimizer = keras_hooks.find_optimizer(fn) or getattr(model, "optimizer", None)
+        specs = tf.nest.map_structure(_spec_of, (tuple(args), dict(kwargs)))
         if optimizer is None:
-            raise PlanningError(
-                f"TofuStrategy plans at the first strategy.run the training step its function runs, and no "
-                f"optimizer of {model.name} is reachable from that function: plan the model first with "
-                "strategy.plan_model(model, batch_size=<global batch size>, loss=<the step's loss>, "
-                "optimizer=<the optimizer that will train it>).")
+            # The function evaluates the model (a loss, a prediction) and trains nothing: plan the
+            # model's training step for this run's batch, as predict or an eager call before any fit
+            # plans it (its compiled loss or mse, plain SGD).
+            logging.warning(
+                "TofuStrategy: the function passed to strategy.run reaches %s and no optimizer: planning %s's "
+                "training step with plain SGD for this run's batch. To plan the step that will train it, call "
+                "strategy.plan_model(model, batch_size=..., loss=..., optimizer=...) before the first run.",
+                model.name, model.name)
+            self.plan_for(model, batch_size=_batch_size_of(specs), loss=None, optimizer=None, labels=None)
+            return
         strategy = self._container_strategy()
         # A step that is a tf.function of its own is traced through its Python function: a trace
         # of the tf.function itself would stay in its cache, holding capture's optimizer slots.
@@ -926,7 +932,6 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         def in_replica(step_args, step_kwargs):
             with _GlobalReplicaContext(strategy):
                 return python_step(*step_args, **step_kwargs)
-        specs = tf.nest.map_structure(_spec_of, (tuple(args), dict(kwargs)))
         self.plan_step_function(in_replica, specs, model=model, optimizer=optimizer)
 
     def _plan_train_step(self, model, data) -> None:
