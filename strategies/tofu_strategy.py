@@ -73,6 +73,7 @@ from tofu_tf.tf.compat import batch_concat as compat_batch_concat
 from tofu_tf.tf.compat import calls as compat_calls
 from tofu_tf.tf.compat import decoding as compat_decoding
 from tofu_tf.tf.compat import function_calls as compat_function_calls
+from tofu_tf.tf.compat import function_variables as compat_function_variables
 from tofu_tf.tf.compat import keras_ops as compat_keras_ops
 from tofu_tf.tf.compat import layers as compat_layers
 from tofu_tf.tf.compat import optimizers as compat_optimizers
@@ -325,6 +326,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
     def __init__(self, container_strategy, device_set, options, plan):
         self._devices = device_set
         self._options = options
+        compat_function_calls.hold(self)     # a tf.function whose call makes the first plan is called again
         self._plan = None
         self._lowered = None
         self._deferred: list[variables_lib.DeferredVariable] = []
@@ -579,6 +581,13 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             return next_creator(**kwargs)
         if kwargs.get("initial_value") is None:
             return self._loaded_variable(next_creator, kwargs)
+        variable = self._create_own_variable(kwargs)
+        # A tf.function tracing its first call traces again when that trace made variables; this
+        # creator never reaches the function's, so the function is told (function_told_of_variables).
+        compat_function_variables.tell_tracing_functions(variable)
+        return variable
+
+    def _create_own_variable(self, kwargs):
         initial_value = kwargs.pop("initial_value")
         dtype = kwargs.pop("dtype", None)
         shape = _initial_shape(initial_value, kwargs.pop("shape", None))
