@@ -43,6 +43,8 @@ flags.DEFINE_integer("module_timeout", 1800, "seconds one module may run under o
 flags.DEFINE_string("filter", "", "a regular expression test ids must match (to rerun a few)")
 flags.DEFINE_bool("show_failures", True, "list every TofuStrategy failure the control passes, with its error")
 flags.DEFINE_string("json_out", "", "write every case's outcome under both strategies to this file")
+flags.DEFINE_string("control_json", "", "take MirroredStrategy's outcomes from this earlier --json_out "
+                    "(with --strategies=tofu)")
 # Internal: one module under one strategy, in a subprocess of its own.
 flags.DEFINE_string("child", "", "internal: run --child_module under this strategy and print outcomes as JSON")
 flags.DEFINE_string("child_module", "", "internal")
@@ -100,6 +102,40 @@ def _error_line(err_text: str) -> str:
     return (last if last.startswith(kind) else f"{kind}: {last}")[:400]
 
 
+def _load(module, path) -> None:
+    with open(path) as f:
+        source = convert_imports(f.read())
+    module.__file__ = path
+    sys.modules[module.__name__] = module
+    exec(compile(source, path, "exec"), module.__dict__)   # pylint: disable=exec-used
+
+
+class _SiblingTests:
+    """Imports of another test module (``keras_utils_test`` imports ``distribute_strategy_test``),
+    which the wheel does not hold, from the checkout."""
+
+    _PREFIX = "tf_keras.src.distribute."
+
+    def __init__(self, src):
+        self.src = src
+
+    def find_spec(self, name, path=None, target=None):  # pylint: disable=unused-argument
+        import importlib.util
+        leaf = name[len(self._PREFIX):] if name.startswith(self._PREFIX) else ""
+        file = os.path.join(self.src, "distribute", leaf + ".py")
+        if not leaf.endswith("_test") or not os.path.exists(file):
+            return None
+        return importlib.util.spec_from_loader(name, self, origin=file)
+
+    def create_module(self, spec):  # pylint: disable=unused-argument
+        return None
+
+    def exec_module(self, module):
+        source = convert_imports(open(module.__spec__.origin).read())
+        module.__file__ = module.__spec__.origin
+        exec(compile(source, module.__file__, "exec"), module.__dict__)   # pylint: disable=exec-used
+
+
 def _run_child(strategy_name: str, module_name: str) -> None:
     sys.path.insert(0, ROOT)
     os.environ["TOFU_PLAN_CACHE"] = "off"
@@ -132,15 +168,12 @@ def _run_child(strategy_name: str, module_name: str) -> None:
         return gpu_check(self, kwargs)
 
     tf_combinations.GPUCombination.should_execute_combination = should_execute
+    sys.meta_path.insert(0, _SiblingTests(FLAGS.tf_keras_src))
     path = os.path.join(FLAGS.tf_keras_src, "distribute", module_name + ".py")
-    with open(path) as f:
-        source = convert_imports(f.read())
     module = types.ModuleType(module_name)
-    module.__file__ = path
-    sys.modules[module_name] = module
     results = []
     try:
-        exec(compile(source, path, "exec"), module.__dict__)   # pylint: disable=exec-used
+        _load(module, path)
     except Exception:  # pylint: disable=broad-except
         print("RESULT " + json.dumps({"id": module_name + ".<import>", "outcome": "import_error",
                                       "message": _error_line(traceback.format_exc())}), flush=True)
@@ -219,12 +252,21 @@ def main(argv):
     if not FLAGS.tf_keras_src or not os.path.isdir(os.path.join(FLAGS.tf_keras_src, "distribute")):
         raise app.UsageError("--tf_keras_src: a tf-keras checkout's tf_keras directory (with distribute/*_test.py)")
     sides = ["mirrored", "tofu"] if FLAGS.strategies == "both" else [FLAGS.strategies]
+    control = None
+    if FLAGS.control_json:
+        if "mirrored" in sides:
+            raise app.UsageError("--control_json gives MirroredStrategy's outcomes: pass --strategies=tofu with it")
+        with open(FLAGS.control_json) as f:
+            control = json.load(f)
+        sides = sides + ["mirrored"]
     rows, everything = [], {}
     totals = collections.Counter()
     by_design_all, failures_all = [], []
     for module_name in _modules():
         start = time.time()
-        got = {side: _run_module(side, module_name) for side in sides}
+        got = {side: _run_module(side, module_name) for side in sides if control is None or side != "mirrored"}
+        if control is not None:
+            got["mirrored"] = control.get(module_name, {}).get("mirrored", {})
         everything[module_name] = got
         mirrored, tofu = got.get("mirrored", {}), got.get("tofu", {})
         ids = sorted(set(mirrored) | set(tofu))
@@ -246,7 +288,7 @@ def main(argv):
         row = dict(module=module_name, cases=len(ids), control=len(control_pass), by_design=len(by_design),
                    counted=len(counted), tofu=len(tofu_pass), seconds=time.time() - start,
                    notes="; ".join(f"{side}: {r['message'][:80]}" for side in sides
-                                   for r in got[side].values() if r["outcome"] in ("crash", "import_error")))
+                                   for r in got.get(side, {}).values() if r["outcome"] in ("crash", "import_error")))
         rows.append(row)
         for key in ("cases", "control", "by_design", "counted", "tofu"):
             totals[key] += row[key]
