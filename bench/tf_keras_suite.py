@@ -45,9 +45,11 @@ flags.DEFINE_bool("show_failures", True, "list every TofuStrategy failure the co
 flags.DEFINE_string("json_out", "", "write every case's outcome under both strategies to this file")
 flags.DEFINE_string("control_json", "", "take MirroredStrategy's outcomes from this earlier --json_out "
                     "(with --strategies=tofu)")
+flags.DEFINE_string("tofu_json", "", "take TofuStrategy's outcomes from this earlier --json_out too: only the table")
 # Internal: one module under one strategy, in a subprocess of its own.
 flags.DEFINE_string("child", "", "internal: run --child_module under this strategy and print outcomes as JSON")
 flags.DEFINE_string("child_module", "", "internal")
+flags.DEFINE_string("child_skip_file", "", "internal: test ids (one a line) a restarted child skips")
 FLAGS = flags.FLAGS
 
 # The multi-device, single-worker MirroredStrategy distributions of
@@ -189,6 +191,10 @@ def _run_child(strategy_name: str, module_name: str) -> None:
                 yield t
 
     pattern = re.compile(FLAGS.filter) if FLAGS.filter else None
+    skip = set()
+    if FLAGS.child_skip_file:
+        with open(FLAGS.child_skip_file) as f:
+            skip = set(f.read().split())
     for case in cases(suite):
         test_id = case.id()
         if not any(f"distribution_{name}" in test_id for name in names) or "mode_graph" in test_id:
@@ -197,6 +203,9 @@ def _run_child(strategy_name: str, module_name: str) -> None:
         if canonical in seen or (pattern and not pattern.search(canonical)):
             continue
         seen.add(canonical)
+        if canonical in skip:
+            continue
+        print("START " + canonical, flush=True)
         result = unittest.TestResult()
         start = time.time()
         case.run(result)
@@ -214,26 +223,44 @@ def _run_child(strategy_name: str, module_name: str) -> None:
 
 
 def _run_module(strategy_name: str, module_name: str) -> dict:
+    """The module's cases under one strategy, in a subprocess; where the process dies (DTensor
+    aborts the process on some errors) or times out, the case it was running is recorded as a
+    crash and a new process runs the cases after it."""
+    import tempfile
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TOFU_PLAN_CACHE="off")
-    cmd = [sys.executable, os.path.abspath(__file__), f"--child={strategy_name}", f"--child_module={module_name}",
-           f"--tf_keras_src={FLAGS.tf_keras_src}", f"--num_devices={FLAGS.num_devices}"]
-    if FLAGS.filter:
-        cmd.append(f"--filter={FLAGS.filter}")
     outcomes = {}
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=FLAGS.module_timeout, check=False)
-        stdout, crashed = proc.stdout, proc.returncode != 0
-        tail = proc.stderr.strip().splitlines()[-1:] if crashed else []
-    except subprocess.TimeoutExpired as e:
-        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        crashed, tail = True, [f"timed out after {FLAGS.module_timeout} s"]
-    for line in stdout.splitlines():
-        if line.startswith("RESULT "):
-            record = json.loads(line[len("RESULT "):])
-            outcomes[record["id"]] = record
-    if crashed:   # the case running when the process died
-        outcomes[f"{module_name}.<crash>"] = {"id": f"{module_name}.<crash>", "outcome": "crash",
-                                              "message": " ".join(tail)[:400]}
+    for _ in range(20):
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as skip_file:
+            skip_file.write("\n".join(outcomes))
+        cmd = [sys.executable, os.path.abspath(__file__), f"--child={strategy_name}", f"--child_module={module_name}",
+               f"--tf_keras_src={FLAGS.tf_keras_src}", f"--num_devices={FLAGS.num_devices}",
+               f"--child_skip_file={skip_file.name}"]
+        if FLAGS.filter:
+            cmd.append(f"--filter={FLAGS.filter}")
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=FLAGS.module_timeout,
+                                  check=False)
+            stdout, crashed = proc.stdout, proc.returncode != 0
+            tail = proc.stderr.strip().splitlines()[-1:] if crashed else []
+        except subprocess.TimeoutExpired as e:
+            stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            crashed, tail = True, [f"timed out after {FLAGS.module_timeout} s"]
+        finally:
+            os.unlink(skip_file.name)
+        started = None
+        for line in stdout.splitlines():
+            if line.startswith("START "):
+                started = line[len("START "):]
+            elif line.startswith("RESULT "):
+                record = json.loads(line[len("RESULT "):])
+                outcomes[record["id"]] = record
+                started = None
+        if not crashed:
+            break
+        key = started or f"{module_name}.<crash>"
+        outcomes[key] = {"id": key, "outcome": "crash", "message": " ".join(tail)[:400]}
+        if started is None:      # died outside a case (its import): nothing to resume
+            break
     return outcomes
 
 
@@ -259,12 +286,19 @@ def main(argv):
         with open(FLAGS.control_json) as f:
             control = json.load(f)
         sides = sides + ["mirrored"]
+    earlier = None
+    if FLAGS.tofu_json:
+        with open(FLAGS.tofu_json) as f:
+            earlier = json.load(f)
     rows, everything = [], {}
     totals = collections.Counter()
     by_design_all, failures_all = [], []
     for module_name in _modules():
         start = time.time()
-        got = {side: _run_module(side, module_name) for side in sides if control is None or side != "mirrored"}
+        if earlier is not None:
+            got = {"tofu": earlier.get(module_name, {}).get("tofu", {})}
+        else:
+            got = {side: _run_module(side, module_name) for side in sides if control is None or side != "mirrored"}
         if control is not None:
             got["mirrored"] = control.get(module_name, {}).get("mirrored", {})
         everything[module_name] = got
