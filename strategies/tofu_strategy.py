@@ -73,6 +73,7 @@ from tofu_tf.tf.compat import batch_concat as compat_batch_concat
 from tofu_tf.tf.compat import calls as compat_calls
 from tofu_tf.tf.compat import decoding as compat_decoding
 from tofu_tf.tf.compat import function_calls as compat_function_calls
+from tofu_tf.tf.compat import function_variables as compat_function_variables
 from tofu_tf.tf.compat import keras_ops as compat_keras_ops
 from tofu_tf.tf.compat import layers as compat_layers
 from tofu_tf.tf.compat import optimizers as compat_optimizers
@@ -338,6 +339,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
     def __init__(self, container_strategy, device_set, options, plan):
         self._devices = device_set
         self._options = options
+        compat_function_calls.hold(self)     # a tf.function whose call makes the first plan is called again
         self._plan = None
         self._lowered = None
         self._deferred: list[variables_lib.DeferredVariable] = []
@@ -592,6 +594,13 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             return next_creator(**kwargs)
         if kwargs.get("initial_value") is None:
             return self._loaded_variable(next_creator, kwargs)
+        variable = self._create_own_variable(kwargs)
+        # A tf.function tracing its first call traces again when that trace made variables; this
+        # creator never reaches the function's, so the function is told (function_told_of_variables).
+        compat_function_variables.tell_tracing_functions(variable)
+        return variable
+
+    def _create_own_variable(self, kwargs):
         initial_value = kwargs.pop("initial_value")
         dtype = kwargs.pop("dtype", None)
         shape = _initial_shape(initial_value, kwargs.pop("shape", None))
@@ -925,12 +934,18 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             self._plan_from_specs(model, keras_hooks.split_step_data(tf.nest.map_structure(_spec_of, args)))
             return
         optimizer = keras_hooks.find_optimizer(fn) or getattr(model, "optimizer", None)
+        specs = tf.nest.map_structure(_spec_of, (tuple(args), dict(kwargs)))
         if optimizer is None:
-            raise PlanningError(
-                f"TofuStrategy plans at the first strategy.run the training step its function runs, and no "
-                f"optimizer of {model.name} is reachable from that function: plan the model first with "
-                "strategy.plan_model(model, batch_size=<global batch size>, loss=<the step's loss>, "
-                "optimizer=<the optimizer that will train it>).")
+            # The function evaluates the model (a loss, a prediction) and trains nothing: plan the
+            # model's training step for this run's batch, as predict or an eager call before any fit
+            # plans it (its compiled loss or mse, plain SGD).
+            logging.warning(
+                "TofuStrategy: the function passed to strategy.run reaches %s and no optimizer: planning %s's "
+                "training step with plain SGD for this run's batch. To plan the step that will train it, call "
+                "strategy.plan_model(model, batch_size=..., loss=..., optimizer=...) before the first run.",
+                model.name, model.name)
+            self.plan_for(model, batch_size=_batch_size_of(specs), loss=None, optimizer=None, labels=None)
+            return
         strategy = self._container_strategy()
         # A step that is a tf.function of its own is traced through its Python function: a trace
         # of the tf.function itself would stay in its cache, holding capture's optimizer slots.
@@ -939,7 +954,6 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         def in_replica(step_args, step_kwargs):
             with _GlobalReplicaContext(strategy):
                 return python_step(*step_args, **step_kwargs)
-        specs = tf.nest.map_structure(_spec_of, (tuple(args), dict(kwargs)))
         self.plan_step_function(in_replica, specs, model=model, optimizer=optimizer)
 
     def _plan_train_step(self, model, data) -> None:

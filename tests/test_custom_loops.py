@@ -226,9 +226,9 @@ def test_runs_that_train_no_model_update_metrics_data_parallel(framework, caplog
         model.fit(x, np.zeros((GLOBAL_BATCH, 10), "float32"), batch_size=GLOBAL_BATCH, verbose=0)
 
 
-def test_a_first_run_that_reaches_no_model_or_no_optimizer_is_told_how_to_plan():
+def test_a_first_run_that_reaches_no_model_or_several_is_told_how_to_plan():
     """No guess: where the function passed to run reaches no model while one made in the scope
-    waits for its plan, or trains nothing, the strategy names plan_model and what to pass,
+    waits for its plan, or reaches two, the strategy names plan_model and what to pass,
     before anything runs."""
     strategy = TofuStrategy(8)
     loop = _Loop(tf_keras, strategy, plan=False)
@@ -236,13 +236,65 @@ def test_a_first_run_that_reaches_no_model_or_no_optimizer_is_told_how_to_plan()
     with pytest.raises(PlanningError, match=r"no Keras model is reachable.*strategy.plan_model\(model, batch_size="):
         strategy.run(lambda features: tf.reduce_sum(features), args=(x,))
     model = loop.model
-    with pytest.raises(PlanningError, match=r"no optimizer of .* is reachable.*strategy.plan_model\(model"):
-        strategy.run(lambda features: model(features), args=(x,))
     with strategy.scope():
         other = tf_keras.Sequential([tf_keras.Input((16,)), tf_keras.layers.Dense(10)])
     with pytest.raises(UnsupportedModelError, match=r"trains several models \(sequential.*\), and TofuStrategy plans one"):
         strategy.run(lambda features: model(features) + other(features), args=(x,))
     assert strategy.plan is None
+
+
+@pytest.mark.parametrize("in_function", [False, True])
+def test_a_first_run_that_evaluates_a_model_without_an_optimizer_plans_it(in_function):
+    """tf-keras's test_reduce_loss (custom_training_loop_models_test.py): the first run computes a
+    model's loss and reaches no optimizer. Was refused ("no optimizer of model is reachable");
+    now plans the model's training step with plain SGD, as predict before fit does, and the
+    loss is one device's; a training loop after it trains as one device."""
+    x, y = _data(GLOBAL_BATCH * 2)
+    tf_keras.utils.set_random_seed(3)
+    reference = tf_keras.Sequential([tf_keras.Input((16,)), tf_keras.layers.Dense(10)])
+    initial = reference.get_weights()
+    losses = tf_keras.losses.sparse_categorical_crossentropy
+
+    def expected_loss(model):
+        return losses(y[:GLOBAL_BATCH], model(x[:GLOBAL_BATCH]), from_logits=True).numpy()
+
+    want = expected_loss(reference)
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = tf_keras.Sequential([tf_keras.Input((16,)), tf_keras.layers.Dense(10)])
+    model.set_weights(initial)
+    dist = iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)))
+
+    def loss_step(batch):
+        features, labels = batch
+        return losses(labels, model(features), from_logits=True)
+
+    def run(batch):
+        return strategy.run(loss_step, args=(batch,))
+    per_example = (tf.function(run) if in_function else run)(next(dist))
+    assert strategy.plan is not None
+    np.testing.assert_allclose(strategy.gather(per_example, axis=0).numpy(), want, rtol=1e-6, atol=1e-6)
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, per_example, axis=0)
+    np.testing.assert_allclose(total.numpy(), want.sum(), rtol=1e-5)
+
+    with strategy.scope():                 # then trained by a loop with its own optimizer
+        optimizer = tf_keras.optimizers.SGD(0.1)
+    reference_optimizer = tf_keras.optimizers.SGD(0.1)
+
+    def train_step(batch, on_model, with_optimizer):
+        features, labels = batch
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(losses(labels, on_model(features), from_logits=True))
+        with_optimizer.apply_gradients(zip(tape.gradient(loss, on_model.trainable_variables),
+                                           on_model.trainable_variables))
+        return loss
+
+    tf.function(lambda batch: strategy.run(lambda b: train_step(b, model, optimizer), args=(batch,)))(next(dist))
+    train_step((x[GLOBAL_BATCH:], y[GLOBAL_BATCH:]), reference, reference_optimizer)
+    for got, want_weight, start in zip(model.get_weights(), reference.get_weights(), initial):
+        assert np.abs(want_weight - start).max() > 1e-4
+        np.testing.assert_allclose(got, want_weight, rtol=1e-5, atol=1e-6)
 
 
 # TF's "Custom training with tf.distribute.Strategy" tutorial, its code as written (the

@@ -91,3 +91,61 @@ def test_a_tensorflow_1_optimizer_is_refused_with_the_keras_optimizer_to_use():
         model.compile(tf.compat.v1.train.RMSPropOptimizer(learning_rate=0.001), "mse")
     with pytest.raises(UnsupportedModelError, match=r"TensorFlow 1 optimizer \(RMSPropOptimizer.*tf_keras.optimizers"):
         model.evaluate(x, 2 * x, batch_size=8, verbose=0)
+
+
+def _embedding_model(optimizer):
+    """tf-keras's mixed-precision LSTM correctness test's model, the LSTM left out: under
+    "mixed_float16" compile wraps the legacy optimizer in the legacy LossScaleOptimizer, and the
+    Embedding's gradient is sparse (IndexedSlices)."""
+    keras.utils.set_random_seed(1)
+    words = keras.layers.Input((10,), dtype="int32")
+    x = keras.layers.Embedding(20, 16)(words)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    x = keras.layers.Dense(2)(x)
+    model = keras.Model(words, keras.layers.Softmax(dtype="float32")(x))
+    model.compile(optimizer, loss="sparse_categorical_crossentropy")
+    return model
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_a_legacy_loss_scale_optimizer_trains_an_embedding_as_on_one_device(mixed_float16):
+    """Was refused: the legacy LossScaleOptimizer is itself a legacy optimizer, and the sparse
+    gradient's check looked at it, not at the SGD it applies with (plain SGD, whose dense update
+    of the densified gradient is the sparse one). Trains as one device, losses and weights."""
+    del mixed_float16
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 20, (64, 10)).astype("int32"), rng.integers(0, 2, 64).astype("int32")
+    reference = _embedding_model(keras.optimizers.legacy.SGD(0.5))
+    assert isinstance(reference.optimizer, keras.mixed_precision.LossScaleOptimizer)
+    assert isinstance(reference.optimizer.inner_optimizer, keras.optimizers.legacy.SGD)
+    initial = reference.get_weights()
+    expected = reference.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"]
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = _embedding_model(keras.optimizers.legacy.SGD(0.5))
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected, rtol=1e-3)
+    for got, want, start in zip(model.get_weights(), reference.get_weights(), initial):
+        assert np.abs(want - start).max() > 1e-3                    # every weight moved
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+
+
+def test_a_legacy_loss_scale_optimizer_over_momentum_names_the_wrapped_optimizer(mixed_float16):
+    """Momentum decays every row, the sparse update only the gathered ones: still refused, now
+    naming the SGD inside the wrapper and the new optimizer to use (was: 'LossScaleOptimizer
+    (tf_keras.optimizers.legacy)' and tf_keras.optimizers.LossScaleOptimizer)."""
+    del mixed_float16
+    x, y = np.zeros((16, 10), "int32"), np.zeros(16, "int32")
+    with TofuStrategy(8).scope():
+        model = _embedding_model(keras.optimizers.legacy.SGD(0.5, momentum=0.9))
+    with pytest.raises(NotImplementedError, match=r"SGD \(tf_keras.optimizers.legacy\) \(wrapped in a "
+                                                  r"LossScaleOptimizer\).*Use the new optimizer, tf_keras.optimizers."
+                                                  r"SGD \(wrapped in tf_keras.mixed_precision.LossScaleOptimizer\)"):
+        model.fit(x, y, batch_size=16, verbose=0)

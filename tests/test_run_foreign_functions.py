@@ -209,3 +209,55 @@ def test_a_bare_variable_trained_in_a_custom_loop_runs_data_parallel_as_one_devi
             step(features, labels)
         return weights.numpy()
     np.testing.assert_allclose(train(TofuStrategy(8)), train(tf.distribute.get_strategy()), rtol=1e-6, atol=1e-6)
+
+
+def _variable_argument_loop(strategy, features_for):
+    """tf-keras's test_variable_run_argument (custom_training_loop_models_test.py): a Dense built
+    inside the step's first trace, its trainable_variables read before that build and passed to
+    run; two steps. Returns the losses and the weights after each step."""
+    with strategy.scope():
+        optimizer = keras.optimizers.legacy.SGD(0.1)
+        net = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(1.5))
+
+    def replica_step(trainable_variables, features):
+        with tf.GradientTape() as tape:
+            out = net(features, training=True)
+            loss = tf.reduce_sum((out - 1.0) * (out - 1.0))
+        optimizer.apply_gradients(zip(tape.gradient(loss, trainable_variables), trainable_variables))
+        return loss
+
+    @tf.function
+    def step(features):
+        losses = strategy.run(replica_step, (net.trainable_variables, features))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    history = []
+    for _ in range(2):
+        loss = step(features_for(strategy))
+        history.append((float(loss), [v.numpy().copy() for v in net.trainable_variables]))
+    return history
+
+
+@pytest.mark.parametrize("given", ["host_tensor", "distributed_batch"])
+def test_a_layer_built_in_the_first_trace_of_the_function_that_plans_trains_as_one_device(given):
+    """Was: a host tensor passed to the function whose first call plans (a model-free plan here)
+    was refused by DTensor ("got a regular tensor for input 0 (shape [2,1,1])"): the function was
+    called before the strategy had a plan to lay it out with; it is now called again on the plan's
+    mesh. And, with either input, the step applied no gradient: the strategy's variables never
+    reached the function's own creator, so the function kept its first trace, which read the
+    Dense's trainable_variables before the Dense was built (an empty list); it now traces again,
+    as for variables it makes itself (function_told_of_variables)."""
+    data = np.array([[1.0], [2.0]], np.float32)
+
+    def features_for(strategy):
+        if given == "host_tensor" or strategy is tf.distribute.get_strategy():
+            return tf.constant(data)
+        return next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(data))))
+
+    expected = _variable_argument_loop(tf.distribute.get_strategy(), features_for)
+    got = _variable_argument_loop(TofuStrategy(8), features_for)
+    assert np.abs(expected[0][1][0] - 1.5).max() > 0.01          # the reference trained
+    for (loss, weights), (want_loss, want_weights) in zip(got, expected):
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+        for weight, want in zip(weights, want_weights):
+            np.testing.assert_allclose(weight, want, rtol=1e-6)

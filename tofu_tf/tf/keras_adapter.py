@@ -495,14 +495,24 @@ def legacy_dense_gradient(optimizer, gradient, variable):
         return gradient
     import tf_keras
     legacy = tf_keras.optimizers.legacy
+    # A legacy LossScaleOptimizer (itself a legacy optimizer) applies the gradients it is given,
+    # finite ones unchanged, with the optimizer it wraps: that one's update decides.
+    wrapper = None
+    while isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer) and is_legacy_optimizer(
+            optimizer.inner_optimizer):
+        wrapper, optimizer = optimizer, optimizer.inner_optimizer
     exact = (isinstance(optimizer, legacy.SGD) and not optimizer._momentum  # pylint: disable=protected-access
              or isinstance(optimizer, legacy.Adagrad))
     if not exact:
+        name = type(optimizer).__name__
+        through = "" if wrapper is None else f" (wrapped in a {type(wrapper).__name__})"
+        instead = f"tf_keras.optimizers.{name}" + ("" if wrapper is None else
+                                                   " (wrapped in tf_keras.mixed_precision.LossScaleOptimizer)")
         raise NotImplementedError(
-            f"TofuStrategy: {type(optimizer).__name__} (tf_keras.optimizers.legacy) updates "
+            f"TofuStrategy: {name} (tf_keras.optimizers.legacy){through} updates "
             f"{variable_path(variable)!r} from a sparse (Embedding) gradient with an op DTensor cannot run, "
             f"and its dense update would move rows the sparse one leaves alone. Use the new optimizer, "
-            f"tf_keras.optimizers.{type(optimizer).__name__}, which DTensor runs.")
+            f"{instead}, which DTensor runs.")
     return tf.convert_to_tensor(gradient)
 
 

@@ -17,8 +17,10 @@ assembled on the host (``gather``), as one device returns them. The function is 
 later calls place their arguments first. Each function is logged once. A layout does not change
 what a DTensor program computes, so a function computes what it computes on one device.
 
-The strategy gives the two callables when it adopts a plan (``offer``); the most recent live
-one is used. The module never imports the strategies package: dependencies go one way.
+The strategy holds the change from its creation (``hold``): a function whose first call traces
+the strategy's first ``strategy.run`` plans during that call, and the call made again uses that
+plan. It gives the two callables when it adopts a plan (``offer``); the most recent live one is
+used. The module never imports the strategies package: dependencies go one way.
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ def offer(holder, place: Callable, gather: Callable) -> None:
     _PATCH.hold(holder)
 
 
+def hold(holder) -> None:
+    """Keep the change in force while ``holder`` (a strategy's internals) is alive, before it has
+    a plan to offer: a function whose call traces the strategy's first ``strategy.run`` (which
+    plans) is called through the change, and is called again on the mesh the plan made."""
+    _PATCH.hold(holder)
+
+
 def _current_offer() -> "_Offer | None":
     with _lock:
         _offers[:] = [ref for ref in _offers if ref() is not None]
@@ -92,6 +101,9 @@ def _calling_on_the_mesh(original: Callable) -> Callable:
         try:
             return original(self, *args, **kwargs)
         except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError) as error:
+            # The strategy may have planned while this call traced the function (its first
+            # strategy.run): the offer is the one made then.
+            chosen = chosen or _current_offer()
             if chosen is None or _REFUSAL not in str(error) or not any(
                     _is_host_tensor(value) for value in tf.nest.flatten((args, kwargs))):
                 raise

@@ -517,6 +517,17 @@ CHANGES: tuple[Change, ...] = (
             "tensors on the strategy's DTensor variables failed ('got a regular tensor ... expecting a DTensor')",
         packages=("tensorflow",), site="tofu_tf.tf.compat.function_calls"),
     Change(
+        name="function_told_of_variables",
+        replaces="the list of created variables of a tf.function's first trace (Function._initialize's "
+                 "variable_capturing_scope, read from its closure on the tracing graph's creator stack): a variable "
+                 "TofuStrategy makes during that trace is appended to it",
+        targets=("tensorflow.python.eager.polymorphic_function.polymorphic_function:Function._initialize",),
+        scope=Scope.CREATION, undone="nothing to undo: the function records the variable as it records its own",
+        why="TofuStrategy's creator never reaches the function's, so a function that built a layer in its first "
+            "trace was not traced again and kept a trace that read the layer's variables before they existed "
+            "(tf-keras's test_variable_run_argument applied no gradient, silently)",
+        packages=("tensorflow",), site="tofu_tf.tf.compat.function_variables"),
+    Change(
         name="keras3_initializer_read",
         replaces="nothing: reads the Keras variable in the closure of Keras 3's initial-value lambda "
                  "(its _shape and _dtype)",
