@@ -23,15 +23,15 @@ import dataclasses
 import json
 import os
 import resource
-import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
+
+from bench import capacity_search  # noqa: E402
 
 flags.DEFINE_float("memory_gib", 22.0, "Resident-memory cap for one training process, GiB.")
 flags.DEFINE_list("methods", ["data_parallel", "tofu"], "Methods to size.")
@@ -44,7 +44,6 @@ flags.DEFINE_string("run_method", None, "Internal: method of --run_width.")
 FLAGS = flags.FLAGS
 
 NUM_DEVICES = 8
-POLL_SECONDS = 0.05
 WIDTH_STEP = 256  # bisection widths are multiples of this (and of the 8 devices)
 # What a child that was refused memory prints; any other failure stops the bench.
 # InfeasibleBudgetError: TofuStrategy's planner found no plan within the hardware profile's
@@ -110,17 +109,6 @@ def _train_one_step(method: str, width: int) -> None:
 # -- the parent: watchdog and search ----------------------------------------------
 
 
-def _resident_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except FileNotFoundError:
-        pass
-    return 0
-
-
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:160] if lines else ""
@@ -130,61 +118,31 @@ def try_size(method: str, width: int, cap_bytes: int) -> Trial:
     """Runs one size in a child process, killing it if it passes the cap."""
     args = [sys.executable, os.path.abspath(__file__), f"--run_method={method}", f"--run_width={width}",
             f"--depth={FLAGS.depth}", f"--batch_size={FLAGS.batch_size}"]
-    start = time.perf_counter()
-    child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=dict(os.environ, PYTHONPATH=ROOT))
-    peak, over = 0, False
-    while child.poll() is None:
-        peak = max(peak, _resident_bytes(child.pid))
-        if peak > cap_bytes:
-            child.kill()
-            over = True
-            break
-        time.sleep(POLL_SECONDS)
-    stdout, stderr = child.communicate()
-    seconds = time.perf_counter() - start
-    if over:
-        return Trial(method, width, False, peak, seconds, f"passed the {cap_bytes / 2**30:.1f} GiB cap")
-    if child.returncode < 0:
-        return Trial(method, width, False, peak, seconds, f"killed by signal {-child.returncode} (out of memory)")
-    if child.returncode != 0:
-        if not any(sign in stderr for sign in OUT_OF_MEMORY_SIGNS):
-            raise RuntimeError(f"{method} at width {width} failed for a reason other than memory:\n{stderr[-3000:]}")
-        return Trial(method, width, False, peak, seconds, _last_line(stderr))
-    result = json.loads(stdout.strip().splitlines()[-1])
-    return Trial(method, width, True, max(peak, result["peak_rss_bytes"]), seconds)
+    run = capacity_search.run_capped(args, cap_bytes, dict(os.environ, PYTHONPATH=ROOT))
+    if run.over_cap:
+        return Trial(method, width, False, run.peak_rss_bytes, run.seconds,
+                     f"passed the {cap_bytes / 2**30:.1f} GiB cap")
+    if run.returncode < 0:
+        return Trial(method, width, False, run.peak_rss_bytes, run.seconds,
+                     f"killed by signal {-run.returncode} (out of memory)")
+    if run.returncode != 0:
+        if not any(sign in run.stderr for sign in OUT_OF_MEMORY_SIGNS):
+            raise RuntimeError(f"{method} at width {width} failed for a reason other than memory:\n{run.stderr[-3000:]}")
+        return Trial(method, width, False, run.peak_rss_bytes, run.seconds, _last_line(run.stderr))
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    return Trial(method, width, True, max(run.peak_rss_bytes, result["peak_rss_bytes"]), run.seconds)
 
 
 def largest_fit(method: str, cap_bytes: int) -> tuple[Trial | None, Trial | None, list[Trial]]:
     """Doubling then bisection on width; returns (largest fit, smallest failure, all trials)."""
-    trials: list[Trial] = []
-
     def attempt(width):
         trial = try_size(method, width, cap_bytes)
-        trials.append(trial)
         logging.info("%s width %d (%.0fM params): %s, peak %.2f GiB, %.0f s%s", method, width,
                      trial.parameters / 1e6, "fits" if trial.fits else "fails", trial.peak_rss_bytes / 2**30,
                      trial.seconds, f" ({trial.why})" if trial.why else "")
         return trial
-
-    fit, fail, width = None, None, FLAGS.start_width
-    while fail is None:
-        trial = attempt(width)
-        if trial.fits:
-            fit, width = trial, width * 2
-        else:
-            fail = trial
-    low = fit.width if fit else 0
-    while fail.width > low * (1 + FLAGS.precision):
-        middle = (low + fail.width) // 2 // WIDTH_STEP * WIDTH_STEP
-        if middle <= low:
-            break
-        trial = attempt(middle)
-        if trial.fits:
-            fit, low = trial, middle
-        else:
-            fail = trial
-    return fit, fail, trials
+    return capacity_search.largest_fit(attempt, start_width=FLAGS.start_width, precision=FLAGS.precision,
+                                       step=WIDTH_STEP)
 
 
 def main(argv):

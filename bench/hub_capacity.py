@@ -30,15 +30,15 @@ import dataclasses
 import json
 import os
 import resource
-import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
+
+from bench import capacity_search  # noqa: E402
 
 flags.DEFINE_enum("family", "llama", ["llama", "vit"], "keras-hub family.")
 flags.DEFINE_list("methods", ["data_parallel", "tofu", "layout_map"], "Methods to size.")
@@ -57,7 +57,6 @@ flags.DEFINE_string("run_method", None, "Internal: method of --run_width.")
 FLAGS = flags.FLAGS
 
 NUM_DEVICES = 8
-POLL_SECONDS = 0.05
 WIDTH_STEP = 256          # widths are multiples of this: head size 64, heads a multiple of 4
 # What a child refused memory prints (InfeasibleBudgetError: the planner found no plan within the
 # budget and said so before allocating; "modeled peak": a fixed plan over the budget).
@@ -152,21 +151,10 @@ def _train_here(method: str, width: int) -> None:
 
 
 def _resident_now() -> int:
-    return _resident_bytes(os.getpid())
+    return capacity_search.resident_bytes(os.getpid())
 
 
 # -- the parent: watchdog and search --------------------------------------------------
-
-
-def _resident_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except FileNotFoundError:
-        pass
-    return 0
 
 
 def _reason(stderr: str) -> str:
@@ -182,61 +170,31 @@ def try_size(method: str, width: int, cap_bytes: int) -> Trial:
             *(f"--{name}={getattr(FLAGS, name)}" for name in
               ("family", "layers", "vocab", "batch_size", "seq_len", "steps", "memory_gib")),
             *([f"--budget_gib={FLAGS.budget_gib}"] if FLAGS.budget_gib is not None else [])]
-    start = time.perf_counter()
-    child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=dict(os.environ, PYTHONPATH=ROOT))
-    peak, over = 0, False
-    while child.poll() is None:
-        peak = max(peak, _resident_bytes(child.pid))
-        if peak > cap_bytes:
-            child.kill()
-            over = True
-            break
-        time.sleep(POLL_SECONDS)
-    stdout, stderr = child.communicate()
-    seconds = time.perf_counter() - start
-    if over:
+    run = capacity_search.run_capped(args, cap_bytes, dict(os.environ, PYTHONPATH=ROOT))
+    peak, seconds = run.peak_rss_bytes, run.seconds
+    if run.over_cap:
         return Trial(method, width, False, peak, seconds, why=f"passed the {cap_bytes / 2**30:.1f} GiB cap")
-    if child.returncode < 0:
-        return Trial(method, width, False, peak, seconds, why=f"killed by signal {-child.returncode} (out of memory)")
-    if child.returncode != 0:
-        if not any(sign in stderr for sign in OUT_OF_MEMORY_SIGNS):
-            raise RuntimeError(f"{method} at width {width} failed for a reason other than memory:\n{stderr[-3000:]}")
-        return Trial(method, width, False, peak, seconds, why=_reason(stderr))
-    result = json.loads(stdout.strip().splitlines()[-1])
+    if run.returncode < 0:
+        return Trial(method, width, False, peak, seconds, why=f"killed by signal {-run.returncode} (out of memory)")
+    if run.returncode != 0:
+        if not any(sign in run.stderr for sign in OUT_OF_MEMORY_SIGNS):
+            raise RuntimeError(f"{method} at width {width} failed for a reason other than memory:\n"
+                               f"{run.stderr[-3000:]}")
+        return Trial(method, width, False, peak, seconds, why=_reason(run.stderr))
+    result = json.loads(run.stdout.strip().splitlines()[-1])
     return Trial(method, width, True, max(peak, result["peak_rss_bytes"]), seconds, result["parameters"],
                  result["predicted_rss_bytes"])
 
 
 def largest_fit(method: str, cap_bytes: int) -> tuple[Trial | None, Trial | None, list[Trial]]:
     """Doubling then bisection on width: (largest fit, smallest failure, every trial)."""
-    trials: list[Trial] = []
-
     def attempt(width):
         trial = try_size(method, width, cap_bytes)
-        trials.append(trial)
         logging.info("%s width %d: %s, peak %.2f GiB, %.0f s%s", method, width, "fits" if trial.fits else "fails",
                      trial.peak_rss_bytes / 2**30, trial.seconds, f" ({trial.why})" if trial.why else "")
         return trial
-
-    fit, fail, width = None, None, FLAGS.start_width
-    while fail is None:
-        trial = attempt(width)
-        if trial.fits:
-            fit, width = trial, width * 2
-        else:
-            fail = trial
-    low = fit.width if fit else 0
-    while fail.width > low * (1 + FLAGS.precision):
-        middle = (low + fail.width) // 2 // WIDTH_STEP * WIDTH_STEP
-        if middle <= low:
-            break
-        trial = attempt(middle)
-        if trial.fits:
-            fit, low = trial, middle
-        else:
-            fail = trial
-    return fit, fail, trials
+    return capacity_search.largest_fit(attempt, start_width=FLAGS.start_width, precision=FLAGS.precision,
+                                       step=WIDTH_STEP)
 
 
 def main(argv):
