@@ -1,0 +1,54 @@
+"""Every keras-hub backbone family (and eight tf_keras.applications) trains under TofuStrategy
+as on one device, or is refused before its first step by a TofuError naming the layer and
+the op (issue #37); none fails inside TensorFlow.
+
+Each family runs in its own process (``tofu_tf.hub_sweep.run_in_subprocess``: DTensor
+can abort a process) under a bounded timeout: two steps of SGD with momentum (why:
+tests/test_zoo.py) beside one device, then evaluate and predict with a partial last
+batch. The whole sweep is slow (about 20-40 s a family on two cores); the default run
+trains ``FAST`` only. ``bench/zoo.py --all`` prints the same sweep as a table
+(bench/README.md).
+"""
+
+import pytest
+
+from tofu_tf import hub_families, hub_sweep
+
+TIMEOUT_S = 600
+# The default run's families: a small decoder LM that trains and an image classifier.
+FAST = ("gpt2", "resnet")
+
+
+def _check(result):
+    name, status = result["family"], result["status"]
+    if status == "not built":
+        pytest.skip(f"{name}: {result['detail']}")
+    assert status in hub_sweep.PASSING, f"{name}: {status}: {result.get('detail')}"
+    if status == "refused":
+        # a TofuError before the first step that names the Keras layer and the op
+        assert result["phase"] in ("build", "fit"), result
+        assert "Keras layer" in result["detail"] or "layer" in result["detail"], result["detail"]
+
+
+def test_every_keras_hub_backbone_has_an_entry():
+    """A keras-hub upgrade that adds a backbone fails here until the sweep builds it or says why not."""
+    covered = {entry.backbone for entry in hub_families.SWEEP.values() if entry.framework == "keras"}
+    missing = sorted(set(hub_families.keras_hub_backbones()) - covered)
+    assert not missing, f"add these keras-hub backbones to tofu_tf.hub_families: {missing}"
+
+
+def test_unbuilt_entries_say_why():
+    for entry in hub_families.SWEEP.values():
+        assert (entry.build is None) == bool(entry.skip), entry.name
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_fast_family_trains_as_one_device(name):
+    result = hub_sweep.run_in_subprocess(name, timeout=TIMEOUT_S)
+    assert result["status"] == "trains", f"{name}: {result['status']}: {result.get('detail')}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(hub_families.SWEEP) - set(FAST)))
+def test_family_trains_or_is_refused_before_its_first_step(name):
+    _check(hub_sweep.run_in_subprocess(name, timeout=TIMEOUT_S))

@@ -1,0 +1,210 @@
+"""Train one family of ``tofu_tf.hub_families`` under TofuStrategy beside one device, in a child process.
+
+Issue #37 asks that every keras-hub backbone family either trains under
+TofuStrategy as it does on one device, or is refused before its first step by a
+``TofuError`` naming the layer, the op and what works instead; never that it fails
+inside TensorFlow. This module measures which, one family at a time:
+
+* ``run_family(name)``, in this process: the family's model trains ``steps``
+  steps on one device and under ``TofuStrategy(num_devices)`` from the same
+  initial weights (SGD with momentum, as tests/test_zoo.py does and says why),
+  then evaluates and predicts a partial last batch on both; the result is a
+  dict with a ``status``;
+* ``run_in_subprocess(name)``: the same in a fresh Python (DTensor can abort
+  the process: a crash is a result, ``crash``), under a timeout (``timeout``).
+
+Statuses: ``trains`` (losses within 1e-5 relative, evaluation 1e-5, predictions
+1e-4); ``refused`` (a ``TofuError`` before the first step; its text is kept);
+``differs`` (it ran and its numbers differ from one device's); ``fails`` (any
+other exception, or a refusal after the first step); ``crash``; ``timeout``;
+``not built`` (the family's entry says why it is not built small). Run one
+family by hand with ``python -m tofu_tf.hub_sweep gpt2``; ``bench/zoo.py --all``
+prints the whole sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+RESULT = "HUB_SWEEP_RESULT "
+PASSING = frozenset({"trains", "refused", "not built"})
+LOSS_RTOL, EVAL_RTOL, PREDICT_TOL = 1e-5, 1e-5, 1e-4
+
+
+def _framework(entry):
+    if entry.framework == "tf_keras":
+        import tf_keras
+        return tf_keras
+    import keras
+    return keras
+
+
+def _compile(model, keras):
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def _fit(model, x, y, batch, keras):
+    """(per-step losses, first fit seconds, per-step seconds); ``steps_done`` on the callback
+    tells how many steps ended before an exception."""
+    class Steps(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.losses, self.ends = [], []
+
+        def on_train_begin(self, logs=None):
+            self.ends = [time.perf_counter()]
+
+        def on_train_batch_end(self, step, logs=None):
+            self.ends.append(time.perf_counter())
+            self.losses.append(float(logs["loss"]))
+    steps = Steps()
+    start = time.perf_counter()
+    try:
+        model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[steps])
+    except Exception as error:          # noqa: BLE001 (the caller classifies it)
+        error.steps_done = len(steps.losses)
+        raise
+    return steps.losses, time.perf_counter() - start, [b - a for a, b in zip(steps.ends, steps.ends[1:])]
+
+
+def _state_bytes(model):
+    """(total bytes, largest per-device bytes) of the weights and optimizer variables as placed."""
+    total = per_device = 0
+    for variable in list(model.weights) + list(model.optimizer.variables):
+        value = getattr(variable, "value", variable)
+        nbytes = value.shape.num_elements() * value.dtype.size
+        layout = getattr(value, "layout", None)
+        shards = 1
+        if layout is not None:
+            sizes = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
+            for axis in layout.sharding_specs:
+                shards *= sizes.get(axis, 1)
+        total += nbytes
+        per_device += nbytes // shards
+    return total, per_device
+
+
+def _first_line(error) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:400] if text else ''}"
+
+
+def _close(got, want, rtol, atol=0.0) -> bool:
+    import numpy as np
+    got, want = np.asarray(got, "float64"), np.asarray(want, "float64")
+    return got.shape == want.shape and bool(np.allclose(got, want, rtol=rtol, atol=atol))
+
+
+def run_family(name: str, *, width: int = 32, steps: int = 2, batch: int = 8, num_devices: int = 8) -> dict:
+    """Train, evaluate and predict family ``name`` on one device and under TofuStrategy; the
+    module docstring lists the statuses of the dict returned."""
+    from tofu_tf import hub_families
+    entry = hub_families.SWEEP[name]
+    result = {"family": name, "backbone": entry.backbone}
+    if entry.skip:
+        return dict(result, status="not built", detail=entry.skip)
+    from tofu_tf.tf import devices
+    devices.provide_devices(num_devices)
+    from tofu_tf.errors import TofuError
+    from tofu_tf.strategies import TofuStrategy
+    keras = _framework(entry)
+
+    keras.utils.set_random_seed(3)
+    reference = entry.build(width)
+    initial = reference.get_weights()
+    x = hub_families.features(entry, reference, batch * steps)
+    x_eval = hub_families.features(entry, reference, batch + 3, seed=1)     # a last batch of 3
+    x_predict = hub_families.features(entry, reference, batch + 5, seed=2)  # a last batch of 5
+    out = reference.predict(hub_families.features(entry, reference, batch, seed=3), verbose=0)
+    y = hub_families.labels(out.shape, batch * steps)
+    y_eval = hub_families.labels(out.shape, batch + 3, seed=1)
+    result["params"] = int(reference.count_params())
+    _compile(reference, keras)
+    expected, one_first, one_steps = _fit(reference, x, y, batch, keras)
+    expected_eval = reference.evaluate(x_eval, y_eval, batch_size=batch, verbose=0)
+    expected_predict = reference.predict(x_predict, batch_size=batch, verbose=0)
+
+    strategy = TofuStrategy(num_devices)
+    phase = "build"
+    try:
+        with strategy.scope():
+            model = entry.build(width)
+            model.set_weights(initial)
+            _compile(model, keras)
+        phase = "fit"
+        losses, first, step_times = _fit(model, x, y, batch, keras)
+        phase = "evaluate"
+        evaluated = model.evaluate(x_eval, y_eval, batch_size=batch, verbose=0)
+        phase = "predict"
+        predicted = model.predict(x_predict, batch_size=batch, verbose=0)
+    except Exception as error:          # noqa: BLE001 (classified here: the sweep's purpose)
+        before_first_step = phase == "build" or (phase == "fit" and getattr(error, "steps_done", 0) == 0)
+        refused = isinstance(error, TofuError) and before_first_step
+        return dict(result, status="refused" if refused else "fails", phase=phase, error=type(error).__name__,
+                    detail=str(error).strip()[:2000] if refused else _first_line(error))
+    total, per_device = _state_bytes(model)
+    result.update(
+        losses=losses, expected=expected, mesh=dict(strategy.plan.mesh_shape),
+        sharded=1 - per_device / total if total else 0.0, state_per_device=per_device / total if total else 1.0,
+        first_fit_s=first, one_first_fit_s=one_first,
+        steady_s=statistics.median(step_times[min(2, len(step_times) - 1):]),
+        one_steady_s=statistics.median(one_steps[min(2, len(one_steps) - 1):]))
+    mismatches = []
+    if not _close(losses, expected, LOSS_RTOL):
+        mismatches.append(f"losses {losses} vs one device {expected}")
+    if not _close(evaluated, expected_eval, EVAL_RTOL):
+        mismatches.append(f"evaluate {evaluated} vs one device {expected_eval}")
+    if not _close(predicted, expected_predict, PREDICT_TOL, PREDICT_TOL):
+        mismatches.append(f"predict (shape {getattr(predicted, 'shape', None)}) differs from one device's "
+                          f"(shape {getattr(expected_predict, 'shape', None)})")
+    result["status"] = "differs" if mismatches else "trains"
+    if mismatches:
+        result["detail"] = "; ".join(mismatches)
+    return result
+
+
+def run_in_subprocess(name: str, *, timeout: float = 600, **options) -> dict:
+    """``run_family(name, **options)`` in a fresh Python: a process DTensor aborts is ``crash``,
+    one that outlives ``timeout`` seconds ``timeout``."""
+    args = [sys.executable, "-m", "tofu_tf.hub_sweep", name, "--json"]
+    args += [f"--{key}={value}" for key, value in options.items()]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TOFU_PLAN_CACHE="off")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
+    except subprocess.TimeoutExpired:
+        return {"family": name, "status": "timeout", "detail": f"no result within {timeout:.0f} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT):])
+    tail = [line for line in done.stderr.strip().splitlines() if line.strip()][-3:]
+    status = "crash" if done.returncode < 0 or done.returncode > 128 else "fails"
+    return {"family": name, "status": status, "detail": f"exit {done.returncode}: " + " | ".join(tail)[-600:]}
+
+
+def main(argv=None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("family")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--num_devices", type=int, default=8)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("TOFU_PLAN_CACHE", "off")
+    result = run_family(args.family, width=args.width, steps=args.steps, batch=args.batch,
+                        num_devices=args.num_devices)
+    print(RESULT + json.dumps(result) if args.json else json.dumps(result, indent=1), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
