@@ -62,6 +62,7 @@ class Sweep:
     shapes: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     skip: str | None = None
     framework: str = "keras"            # "tf_keras" for tf_keras.applications
+    in_batch_labels: bool = False       # logits over the batch's own examples (CLIP-style): label i % batch
 
 
 def _hub():
@@ -197,14 +198,6 @@ def _retinanet(w):
                     stackwise_num_strides=[1, 2, 2], block_type="basic_block", image_shape=(64, 64, 3))
     return with_head(_make("RetinaNetBackbone", image_encoder=encoder, min_level=3, max_level=4, use_p5=False,
                            image_shape=(64, 64, 3)), "P3")
-
-
-def _basnet(w):
-    encoder = _make("ResNetBackbone", input_conv_filters=[64], input_conv_kernel_sizes=[3],
-                    stackwise_num_filters=[64, 16, 16, w], stackwise_num_blocks=[1, 1, 1, 1],
-                    stackwise_num_strides=[1, 2, 2, 2], block_type="basic_block")
-    return _task("BASNetImageSegmenter", _make("BASNetBackbone", image_encoder=encoder, num_classes=CLASSES,
-                                               image_shape=_IMG), num_classes=CLASSES)
 
 
 def _dual(vision, text, backbone_name, **extra):
@@ -406,14 +399,17 @@ _SWEEP = [
     # dense prediction and detection: the segmenter task where there is one, else a head on one feature map
     Sweep("segformer", "SegFormerBackbone", _segformer),
     Sweep("deeplab_v3", "DeepLabV3Backbone", _deeplab),
-    Sweep("basnet", "BASNetBackbone", _basnet),
+    Sweep("basnet", "BASNetBackbone", skip="not small: its prediction and refinement heads are fixed at up to 512 "
+          "filters (49M parameters over the smallest ResNet encoder BASNet accepts), and its segmenter ends in "
+          "sigmoids for a binary-mask loss"),
     Sweep("retinanet", "RetinaNetBackbone", _retinanet),
     Sweep("depth_anything", "DepthAnythingBackbone", _depth_anything),
     # multimodal
-    Sweep("clip", "CLIPBackbone", _dual("CLIPVisionEncoder", "CLIPTextEncoder", "CLIPBackbone", projection_dim=_w)),
+    Sweep("clip", "CLIPBackbone", _dual("CLIPVisionEncoder", "CLIPTextEncoder", "CLIPBackbone", projection_dim=_w),
+          in_batch_labels=True),
     Sweep("metaclip_2", "MetaCLIP2Backbone", _dual("MetaCLIP2VisionEncoder", "MetaCLIP2TextEncoder",
-                                                   "MetaCLIP2Backbone", projection_dim=_w)),
-    Sweep("siglip", "SigLIPBackbone", _dual("SigLIPVisionEncoder", "SigLIPTextEncoder", "SigLIPBackbone")),
+                                                   "MetaCLIP2Backbone", projection_dim=_w), in_batch_labels=True),
+    Sweep("siglip", "SigLIPBackbone", _dual("SigLIPVisionEncoder", "SigLIPTextEncoder", "SigLIPBackbone"), in_batch_labels=True),
     Sweep("pali_gemma", "PaliGemmaBackbone", lambda w: _task("PaliGemmaCausalLM", _make(
         "PaliGemmaBackbone", vocabulary_size=VOCAB, image_size=16, num_layers=2, num_query_heads=4,
         num_key_value_heads=1, hidden_dim=w, intermediate_dim=2 * w, head_dim=w // 4, vit_patch_size=4,
@@ -470,7 +466,41 @@ def _t5gemma(w):
                 decoder_head_dim=w // 4, decoder_layer_types=layers, sliding_window=SEQ)
 
 
-SWEEP = {entry.name: entry for entry in _SWEEP}
+def without_random_masks(model):
+    """``model`` with every ``Dropout`` layer's rate set to zero: some keras-hub layers build one at
+    a fixed rate no constructor argument reaches (MiT's attention, so SegFormer: 0.1), and
+    tf_keras' EfficientNet and MobileNetV3 end in one."""
+    for layer in _sublayers(model):
+        if type(layer).__name__ == "Dropout" and getattr(layer, "rate", 0):
+            layer.rate = 0.0
+    return model
+
+
+def _sublayers(root):
+    """Every layer reachable from ``root`` through its attributes, lists and dicts (public
+    attributes only: no framework's private layer walk)."""
+    seen, stack, found = set(), [root], []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif hasattr(obj, "trainable_weights") and hasattr(obj, "call"):
+            found.append(obj)
+            stack.extend(v for v in vars(obj).values() if isinstance(v, (dict, list, tuple)) or
+                         (hasattr(v, "trainable_weights") and hasattr(v, "call")))
+    return found
+
+
+def _masks_off(build):
+    return None if build is None else (lambda w: without_random_masks(build(w)))
+
+
+SWEEP = {entry.name: dataclasses.replace(entry, build=_masks_off(entry.build)) for entry in _SWEEP}
 
 
 def keras_hub_backbones() -> list[str]:
@@ -518,8 +548,11 @@ def features(entry: Sweep, model, samples: int, *, seed: int = 0):
     return values if structure == "list" else values[0]
 
 
-def labels(output_shape, samples: int, *, seed: int = 0):
+def labels(output_shape, samples: int, *, seed: int = 0, in_batch: int = 0):
     """Integer labels for a logits output of ``output_shape`` (batch first, classes last):
-    one class per position of every dim between."""
+    one class per position of every dim between; ``in_batch`` (a batch size): each example's
+    own index in its batch (CLIP-style image-text logits, whose classes are the batch's texts)."""
+    if in_batch:
+        return (np.arange(samples) % in_batch).astype("int32")
     rng = np.random.default_rng(seed + 100)
     return rng.integers(0, output_shape[-1], (samples,) + tuple(output_shape[1:-1])).astype("int32")
