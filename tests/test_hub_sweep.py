@@ -10,6 +10,7 @@ trains ``FAST`` only. ``bench/zoo.py --all`` prints the same sweep as a table
 (bench/README.md).
 """
 
+import numpy as np
 import pytest
 
 from tofu_tf import hub_families, hub_sweep
@@ -50,6 +51,17 @@ def test_dropout_no_constructor_argument_reaches_is_turned_off():
     assert 0.1 in rates(hub_families._mit(16)), "keras-hub's MiT no longer builds Dropout(0.1): case lost"
     built = rates(hub_families.SWEEP["mit"].build(16))
     assert built and set(built) == {0.0}
+
+
+def test_a_segmenter_trains_on_per_pixel_labels_without_its_task_metrics():
+    """keras-hub's ImageSegmenter compiles an "auto" accuracy that breaks on per-pixel labels
+    (Incompatible shapes [8,32] vs [8,32,32]): SegFormer and DeepLabV3 failed on one device."""
+    import keras
+    model = hub_families.SWEEP["segformer"].build(32)   # (16: MiT names two layers linear_16)
+    hub_sweep._compile(model, keras)
+    x = hub_families.features(hub_families.SWEEP["segformer"], model, 2)
+    history = model.fit(x, hub_families.labels((2, 32, 32, 4), 2), batch_size=2, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
 
 
 def test_ragged_predictions_compare_row_by_row():

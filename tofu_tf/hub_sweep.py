@@ -53,8 +53,8 @@ def _compile(model, keras, learning_rate=0.05):
     """SGD with momentum and one loss; no metrics (keras-hub tasks' "auto" metrics assume
     their preprocessors' labels: a segmenter's accuracy breaks on per-pixel ones)."""
     model.compile(optimizer=keras.optimizers.SGD(learning_rate, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=None,
-                  weighted_metrics=None)
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=[],
+                  weighted_metrics=[])
 
 
 def _fit(model, x, y, batch, keras):
