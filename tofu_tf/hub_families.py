@@ -179,17 +179,10 @@ def _segformer(w):
 
 
 def _deeplab(w):
-    backbone = _make("DeepLabV3Backbone", image_encoder=_resnet_pyramid(w), spatial_pyramid_pooling_key="P3",
+    backbone = _make("DeepLabV3Backbone", image_encoder=_resnet(w), spatial_pyramid_pooling_key="P3",
                      upsampling_size=2, dilation_rates=[1, 2], low_level_feature_key="P2", projection_filters=8,
                      image_shape=_IMG)
     return _task("DeepLabV3ImageSegmenter", backbone, num_classes=CLASSES)
-
-
-def _resnet_pyramid(w):
-    """A ResNet with pyramid outputs P2 and P3 (its stages' strides)."""
-    return _make("ResNetBackbone", input_conv_filters=[64], input_conv_kernel_sizes=[3],
-                 stackwise_num_filters=[64, w], stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2],
-                 block_type="basic_block", image_shape=_IMG)
 
 
 def _retinanet(w):
@@ -238,7 +231,6 @@ def _tf_keras_app(name, size, **kwargs):
     return build
 
 
-_TOKENS_8 = {}
 _SWEEP = [
     # decoder language models: keras-hub's XCausalLM(preprocessor=None)
     Sweep("bloom", "BloomBackbone", _causal("BloomBackbone", "BloomCausalLM", num_heads=4, hidden_dim=_w,
