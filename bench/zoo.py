@@ -18,6 +18,15 @@ the same model on one device:
 
 Each run's figures are medians over ``--repeats`` fresh models. Run:
     python bench/zoo.py [--families=gpt2,bert] [--repeats=3] [--memory_fraction=0.5]
+
+``--all`` runs the sweep instead (issue #37): every keras-hub backbone family and
+the tf_keras.applications of ``tofu_tf.hub_families``, each in its own process
+(``tofu_tf.hub_sweep.run_in_subprocess``: DTensor can abort a process) for
+``--steps`` steps at ``--width``, and prints per family its parameters, the
+fraction of the training state the plan shards, per-device state over one
+device's, first fit and steady step against one device's, and its status
+(trains, refused with the reason, fails, differs, crash, timeout, not built):
+    python bench/zoo.py --all [--jobs=2] [--timeout=600] [--out=results.jsonl]
 """
 
 import os
@@ -38,7 +47,53 @@ flags.DEFINE_integer("width", 64, "Hidden width of every family.")
 flags.DEFINE_float("memory_fraction", 0.0, "Plan under this fraction of the unconstrained plan's peak "
                    "(0: no budget, the planner's cheapest plan).")
 flags.DEFINE_integer("num_devices", 8, "Devices (virtual CPUs when no GPU is visible).")
+flags.DEFINE_bool("all", False, "Run the sweep of every family of tofu_tf.hub_families, one process each.")
+flags.DEFINE_integer("jobs", 1, "--all: families run at once.")
+flags.DEFINE_integer("timeout", 600, "--all: seconds a family may take.")
+flags.DEFINE_string("out", "", "--all: also write each family's result as a JSON line here.")
 FLAGS = flags.FLAGS
+
+
+def sweep_row(r) -> str:
+    """One row of the sweep's table (markdown)."""
+    def ratio(a, b):
+        return f"{r[a] / r[b]:.1f}x" if r.get(a) and r.get(b) else "-"
+    if r["status"] == "trains":
+        figures = (f"{r['sharded']:.0%}", f"{r['state_per_device']:.2f}", ratio("first_fit_s", "one_first_fit_s"),
+                   ratio("steady_s", "one_steady_s"))
+    else:
+        figures = ("-",) * 4
+    params = f"{r['params']:,}" if r.get("params") else "-"
+    status = r["status"]
+    if r.get("detail") and status != "trains":
+        detail = r["detail"].replace("\n", " ").replace("|", "/")
+        status += ": " + (detail if len(detail) < 240 else detail[:237] + "...")
+    return f"| {r['family']} | {params} | " + " | ".join(figures) + f" | {status} |"
+
+
+def run_sweep():
+    """``--all``: the sweep's table, one family per child process."""
+    import concurrent.futures
+    import json
+    from tofu_tf import hub_families, hub_sweep
+    names = FLAGS.families or list(hub_families.SWEEP)
+    print("| family | params | state sharded | state/device vs 1 device | first fit vs 1 device "
+          "| steady step vs 1 device | status |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    out = open(FLAGS.out, "a", encoding="utf-8") if FLAGS.out else None
+    counts = {}
+    with concurrent.futures.ThreadPoolExecutor(FLAGS.jobs) as pool:
+        runs = {name: pool.submit(hub_sweep.run_in_subprocess, name, timeout=FLAGS.timeout, width=FLAGS.width,
+                                  steps=FLAGS.steps, batch=FLAGS.batch_size, num_devices=FLAGS.num_devices)
+                for name in names}
+        for name in names:
+            result = runs[name].result()
+            counts[result["status"]] = counts.get(result["status"], 0) + 1
+            print(sweep_row(result), flush=True)
+            if out:
+                out.write(json.dumps(result) + "\n")
+                out.flush()
+    print("\n" + ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: -kv[1])), flush=True)
 
 
 def _step_times(keras):
@@ -101,6 +156,8 @@ def _modeled(graph, hardware, budget):
 
 def main(argv):
     del argv
+    if FLAGS.all:
+        return run_sweep()
     from absl import logging
     logging.set_verbosity(logging.WARNING)        # the strategy's plan summaries would bury the table
     from tofu_tf.tf import devices
