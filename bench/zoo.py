@@ -21,7 +21,7 @@ Each run's figures are medians over ``--repeats`` fresh models. Run:
 
 ``--all`` runs the sweep instead (issue #37): every keras-hub backbone family and
 the tf_keras.applications of ``tofu_tf.hub_families``, each in its own process
-(``tofu_tf.hub_sweep.run_in_subprocess``: DTensor can abort a process) for
+(``tofu_tf.strategies.hub_sweep.run_in_subprocess``: DTensor can abort a process) for
 ``--steps`` steps at ``--width``, and prints per family its parameters, the
 fraction of the training state the plan shards, per-device state over one
 device's, first fit and steady step against one device's, and its status
@@ -75,7 +75,8 @@ def run_sweep():
     """``--all``: the sweep's table, one family per child process."""
     import concurrent.futures
     import json
-    from tofu_tf import hub_families, hub_sweep
+    from tofu_tf import hub_families
+from tofu_tf.strategies import hub_sweep
     names = FLAGS.families or list(hub_families.SWEEP)
     print("| family | params | state sharded | state/device vs 1 device | first fit vs 1 device "
           "| steady step vs 1 device | status |")

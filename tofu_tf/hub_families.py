@@ -1,6 +1,6 @@
 """Every keras-hub backbone family (and a set of ``tf_keras.applications``) from a small configuration.
 
-``tofu_tf.hub_sweep`` trains each of these under TofuStrategy beside one device,
+``tofu_tf.strategies.hub_sweep`` trains each of these under TofuStrategy beside one device,
 to find out which families a user can partition and which the strategy refuses
 (issue #37). This module only builds: each ``Sweep`` entry names the keras-hub
 backbone class it covers, a builder taking a hidden width, and what its data

@@ -21,7 +21,7 @@ agrees with one device to 1e-10: rounding that BatchNorm over a few values per c
 amplifies, as in tf_keras' ResNet50 at 32x32, not a different computation); ``fails`` (any
 other exception, or a refusal after the first step); ``crash``; ``timeout``;
 ``not built`` (the family's entry says why it is not built small). Run one
-family by hand with ``python -m tofu_tf.hub_sweep gpt2``; ``bench/zoo.py --all``
+family by hand with ``python -m tofu_tf.strategies.hub_sweep gpt2``; ``bench/zoo.py --all``
 prints the whole sweep.
 """
 
@@ -232,7 +232,7 @@ def run_in_subprocess(name: str, *, timeout: float = 600, **options) -> dict:
 
 
 def _child(name, timeout, options) -> dict:
-    args = [sys.executable, "-m", "tofu_tf.hub_sweep", name, "--json"]
+    args = [sys.executable, "-m", "tofu_tf.strategies.hub_sweep", name, "--json"]
     args += [f"--{key}={value}" for key, value in options.items()]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TOFU_PLAN_CACHE="off")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
