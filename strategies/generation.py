@@ -121,24 +121,10 @@ class PlacedGeneration:
 
 def sampler_state_on_mesh(sampler, mesh: dtensor.Mesh) -> list[str]:
     """Move the variables of ``sampler`` (a keras-hub sampler: its ``SeedGenerator``'s state)
-    that are not on ``mesh`` onto it, replicated, keeping their values; the names of those moved.
-
-    A sampler made outside ``strategy.scope()`` (``compile(sampler=TopKSampler(seed=42))`` after
-    training, as keras-hub's guides write it) holds a plain host variable. Read and advanced
-    inside a DTensor program, each device's part advanced it once (the seed moved 8 steps per
-    token on 8 devices) and read its own value, so tokens differed from one device's. On the
-    mesh, replicated, it advances once per draw, as on one device. The Keras variable keeps its
-    identity: its backing ``tf.Variable`` (``_value``) is replaced."""
-    moved = []
-    for variable in getattr(sampler, "variables", ()) or ():
-        backing = getattr(variable, "_value", None)
-        if not isinstance(backing, tf.Variable) or isinstance(backing, dtensor.DVariable):
-            continue
-        layout = dtensor.Layout.replicated(mesh, rank=backing.shape.rank)
-        value = backing.numpy()
-        with tf.init_scope():
-            variable._value = variables_lib.TofuVariable(  # pylint: disable=protected-access
-                lambda: variables_lib.scatter_from_host(value, layout), dtype=backing.dtype,
-                name=backing.name.split(":")[0], trainable=False, layout=layout)
-        moved.append(variable.path if hasattr(variable, "path") else variable.name)
-    return moved
+    that are not on ``mesh`` onto it, replicated, keeping their values; the names of those moved
+    (``variables_lib.host_variable_on_mesh``). A sampler made outside ``strategy.scope()``
+    (``compile(sampler=TopKSampler(seed=42))`` after training, as keras-hub's guides write it)
+    holds a plain host variable, which each device advanced once per token."""
+    return [variable.path if hasattr(variable, "path") else variable.name
+            for variable in getattr(sampler, "variables", ()) or ()
+            if variables_lib.host_variable_on_mesh(variable, mesh)]

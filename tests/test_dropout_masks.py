@@ -85,3 +85,34 @@ def test_pipeline_stages_draw_the_same_masks_on_any_device_count(kind):
     runs = {n: _fit_pipelined(kind, n) for n in DEVICES}
     for n in DEVICES[:-1]:
         _assert_close(runs[n], runs[DEVICES[-1]])
+
+
+def _fit_with_outside_generator(num_gpus):
+    """Four SGD steps of a Keras 3 model whose layer adds noise drawn from a SeedGenerator made
+    outside any strategy scope (a plain host variable); the losses and the generator's state."""
+    keras3.utils.set_random_seed(6)
+    generator = keras3.random.SeedGenerator(7)
+
+    class Noisy(keras3.layers.Layer):
+        def call(self, x, training=None):
+            return x + keras3.random.normal(keras3.ops.shape(x), seed=generator) if training else x
+
+    strategy = TofuStrategy(num_gpus=num_gpus, method="megatron") if num_gpus else None
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = keras3.Sequential([keras3.Input((16,)), keras3.layers.Dense(32, name="a"), Noisy(),
+                                   keras3.layers.Dense(4, name="b")])
+        model.compile(optimizer=keras3.optimizers.SGD(0.1), loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 16)).astype("float32"), rng.normal(size=(32, 4)).astype("float32")
+    losses = model.fit(x, y, batch_size=8, shuffle=False, verbose=0).history["loss"]
+    return losses, np.asarray(keras_adapter.tf_variable(generator.state).numpy())
+
+
+def test_a_seed_generator_made_outside_the_scope_advances_once_per_draw():
+    """Before: its state stayed on the host, each of 8 devices advanced it once per draw (state
+    [7, 32] after 4 steps, one device's [7, 4]) and the loss was another (3.62 against 3.21)."""
+    losses, state = _fit_with_outside_generator(None)
+    for n in (1, 8):
+        got_losses, got_state = _fit_with_outside_generator(n)
+        np.testing.assert_array_equal(got_state, state)
+        np.testing.assert_allclose(got_losses, losses, rtol=1e-5)

@@ -608,3 +608,25 @@ def _takes_layout(initial_value) -> bool:
 
 def _base_name(name: str) -> str:
     return name[:-2] if name.endswith(":0") else name
+
+
+def host_variable_on_mesh(variable, mesh: dtensor.Mesh) -> bool:
+    """Move a Keras variable whose backing ``tf.Variable`` is a plain host variable onto
+    ``mesh``, replicated, keeping its value; whether it moved. The Keras variable keeps its
+    identity: its backing variable (``_value``) is replaced.
+
+    A random state made outside ``strategy.scope()`` (a keras-hub sampler's, a
+    ``keras.random.SeedGenerator`` of the user's) is such a host variable. Read and advanced
+    inside a DTensor program, each device's part of the program advanced it once (8 steps of the
+    seed per draw on 8 devices) and read its own value, so the draws differed from one device's.
+    On the mesh, replicated, it advances once per draw, as on one device."""
+    backing = getattr(variable, "_value", None)
+    if not isinstance(backing, tf.Variable) or isinstance(backing, d_variable.DVariable):
+        return False
+    layout = dtensor.Layout.replicated(mesh, rank=backing.shape.rank)
+    with tf.init_scope():
+        value = backing.numpy()
+        variable._value = TofuVariable(  # pylint: disable=protected-access
+            lambda: scatter_from_host(value, layout), dtype=backing.dtype,
+            name=backing.name.split(":")[0], trainable=False, layout=layout)
+    return True

@@ -18,7 +18,10 @@ holds the whole draw (a batch of latents). ``tf.nn.experimental.stateless_dropou
 draws its uniform noise inside TensorFlow; it is replaced likewise by the same computation
 (TensorFlow's own ``general_dropout``) with the noise drawn replicated, so a mask is one device's
 for the seed whatever the plan splits the dropped tensor by; each device holds the whole mask for a
-moment (one activation's noise) before its slice is taken. Stateful draws (``tf.random.normal``) have no DTensor layout propagation at
+moment (one activation's noise) before its slice is taken. A Keras 3 ``SeedGenerator`` made
+outside ``strategy.scope()`` holds its state on the host, where each device's part of the step
+advanced it once per draw (the seed moved 8 steps a draw on 8 devices, and the draws were not one
+device's): its ``next`` moves that state onto the mesh, replicated, before drawing. Stateful draws (``tf.random.normal``) have no DTensor layout propagation at
 all; the planner refuses them before the first step (``tofu_tf.search.targets``). Other threads
 draw as TensorFlow does.
 """
@@ -32,6 +35,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.ops import stateless_random_ops
 
+from tofu_tf.tf import variables as variables_lib
 from tofu_tf.tf.compat import patching
 from tofu_tf.tf.compat.registry import change
 
@@ -43,9 +47,15 @@ def _tf_random(name: str):
     return lambda: (tf.random, name)
 
 
+def _seed_generator_next():
+    from keras.src.random import seed_generator
+    return seed_generator.SeedGenerator, "next"
+
+
 _CHANGE = change("stateless_draws_replicated")
 _PATCHES = tuple(patching.ThreadScopedPatch(_CHANGE, _tf_random(name)) for name in DRAWS)
 _DROPOUT = patching.ThreadScopedPatch(_CHANGE, lambda: (tf.nn.experimental, "stateless_dropout"))
+_SEED_NEXT = patching.ThreadScopedPatch(_CHANGE, _seed_generator_next)
 
 
 @contextlib.contextmanager
@@ -69,8 +79,16 @@ def draws_replicated(mesh: dtensor.Mesh) -> Iterator[None]:
         return tf.nn.experimental.general_dropout(x, rate, uniform_noise, noise_shape=noise_shape,
                                                   name=name or "stateless_dropout")
 
+    def next_on_mesh(original, generator, *args, **kwargs):
+        # A generator made outside the scope holds its state on the host: each device would
+        # advance it (and read it) once per draw. Moved onto the mesh, it advances once.
+        if not tf.executing_eagerly():
+            variables_lib.host_variable_on_mesh(generator.state, mesh)
+        return original(generator, *args, **kwargs)
+
     with contextlib.ExitStack() as stack:
         for patch in _PATCHES:
             stack.enter_context(patch.active(replicated))
         stack.enter_context(_DROPOUT.active(dropout))
+        stack.enter_context(_SEED_NEXT.active(next_on_mesh))
         yield

@@ -577,15 +577,18 @@ CHANGES: tuple[Change, ...] = (
         replaces="tf.random.stateless_normal, stateless_uniform, stateless_truncated_normal, stateless_categorical, "
                  "stateless_gamma, stateless_binomial and stateless_poisson (the tf.random module's attributes), "
                  "in a traced strategy step: the draw relaid replicated; tf.nn.experimental.stateless_dropout: "
-                 "general_dropout with the same uniform noise drawn replicated",
+                 "general_dropout with the same uniform noise drawn replicated; keras SeedGenerator.next: a "
+                 "state made outside the scope moved onto the mesh, replicated, first",
         targets=tuple(f"tensorflow:random.{name}" for name in (
             "stateless_normal", "stateless_uniform", "stateless_truncated_normal", "stateless_categorical",
             "stateless_gamma", "stateless_binomial", "stateless_poisson")) + (
-            "tensorflow:nn.experimental.stateless_dropout", "tensorflow:nn.experimental.general_dropout"),
+            "tensorflow:nn.experimental.stateless_dropout", "tensorflow:nn.experimental.general_dropout",
+            "keras.src.random.seed_generator:SeedGenerator.next"),
         scope=Scope.CALL, undone="when the last strategy.run in the process returns; other threads see the original",
         why="DTensor folds each device's coordinates into the seed of a random op it lays out split: a "
             "custom train_step's latents (keras.io's GAN) were not the numbers one device draws from the seed, "
-            "and a dropout mask depended on the plan and the device count",
+            "and a dropout mask depended on the plan and the device count; a SeedGenerator made outside the "
+            "scope was advanced once per device",
         packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.random_draws"),
     Change(
         name="custom_step_loss_marked",
