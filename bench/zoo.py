@@ -76,7 +76,7 @@ def run_sweep():
     import concurrent.futures
     import json
     from tofu_tf import hub_families
-from tofu_tf.strategies import hub_sweep
+    from tofu_tf.strategies import hub_sweep
     names = FLAGS.families or list(hub_families.SWEEP)
     print("| family | params | state sharded | state/device vs 1 device | first fit vs 1 device "
           "| steady step vs 1 device | status |")
@@ -121,23 +121,6 @@ def _fit(model, x, y, keras):
     return time.perf_counter() - start, steps
 
 
-def _state_bytes(model):
-    """(total bytes, largest per-device bytes) of the weights and optimizer variables as placed."""
-    total = per_device = 0
-    for variable in list(model.weights) + list(model.optimizer.variables):
-        value = getattr(variable, "value", variable)
-        nbytes = value.shape.num_elements() * value.dtype.size
-        layout = getattr(value, "layout", None)
-        shards = 1
-        if layout is not None:
-            sizes = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
-            for axis in layout.sharding_specs:
-                shards *= sizes.get(axis, 1)
-        total += nbytes
-        per_device += nbytes // shards
-    return total, per_device
-
-
 def _modeled(graph, hardware, budget):
     from tofu_tf.search import plan_graph
     plan = plan_graph(graph, num_devices=FLAGS.num_devices, hardware=hardware, memory_budget_bytes=budget)
@@ -164,6 +147,8 @@ def main(argv):
     from tofu_tf.tf import devices
     devices.provide_devices(FLAGS.num_devices)
     import keras
+
+    from tofu_tf.strategies import hub_sweep
     import tensorflow as tf
 
     from tofu_tf.strategies import TofuStrategy
@@ -203,7 +188,7 @@ def main(argv):
                 model = family.build(FLAGS.width)
                 model.compile(optimizer="adam", loss=loss)
             rows["tofu"].append(_fit(model, x, y, keras))
-            total, per_device = _state_bytes(model)
+            total, per_device = hub_sweep.state_bytes(model)
             sharded = 1 - per_device / total if total else 0.0
             state = per_device / total
             mesh = strategy.plan.mesh_shape

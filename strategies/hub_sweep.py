@@ -81,7 +81,7 @@ def _fit(model, x, y, batch, keras):
     return steps.losses, time.perf_counter() - start, [b - a for a, b in zip(steps.ends, steps.ends[1:])]
 
 
-def _state_bytes(model):
+def state_bytes(model):
     """(total bytes, largest per-device bytes) of the weights and optimizer variables as placed."""
     total = per_device = 0
     slots = model.optimizer.variables
@@ -178,7 +178,7 @@ def run_family(name: str, *, width: int = 32, steps: int = 2, batch: int = 8, nu
         refused = isinstance(error, TofuError) and before_first_step
         return dict(result, status="refused" if refused else "fails", phase=phase, error=type(error).__name__,
                     detail=str(error).strip()[:2000] if refused else _first_line(error))
-    total, per_device = _state_bytes(model)
+    total, per_device = state_bytes(model)
     import numpy as np
     result["weights_max_abs_diff"] = max((float(np.max(np.abs(np.asarray(g, "float64") - np.asarray(w, "float64"))))
                                           for g, w in zip(model.get_weights(), trained) if np.size(w)),
