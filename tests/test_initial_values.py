@@ -156,6 +156,57 @@ def test_unseeded_runs_stay_as_random_as_one_devices():
     assert all(not np.array_equal(other[p], expected[p]) for p in expected if "kernel" in p)
 
 
+class _TwoDraws(keras3.initializers.Initializer):
+    """A user's own Keras 3 initializer drawing twice from its seed (two generator states a call)."""
+
+    def __init__(self, seed):
+        self.seed = seed
+
+    def __call__(self, shape, dtype=None):
+        return (keras3.random.normal(shape, seed=self.seed, dtype=dtype)
+                + keras3.random.uniform(shape, seed=self.seed, dtype=dtype))
+
+
+def _shared_generator_model():
+    """Keras 3 initializers seeded with one ``SeedGenerator`` object, shared by several weights:
+    each call takes the generator's next state, in the order one device creates the weights."""
+    generator = keras3.random.SeedGenerator(7)
+    init = keras3.initializers
+    shared = init.GlorotUniform(seed=generator)
+    return keras3.Sequential([
+        keras3.Input((64,)),
+        keras3.layers.Dense(256, kernel_initializer=shared, name="glorot"),
+        keras3.layers.Dense(128, kernel_initializer=shared, bias_initializer=init.RandomNormal(seed=generator),
+                            name="normal"),
+        keras3.layers.Dense(128, kernel_initializer=_TwoDraws(seed=generator), name="two_draws"),
+        keras3.layers.Dense(10, kernel_initializer=init.Orthogonal(seed=generator), name="head")]), generator
+
+
+def test_initializers_sharing_a_seed_generator_take_one_devices_states():
+    """Before, a Keras 3 initializer seeded with a ``SeedGenerator`` drew ``generator.next()``
+    when its deferred variable was first read or planned: reading the head's kernel first gave
+    it the first kernel's state, and every split kernel took another's (0.27 away)."""
+    def build(strategy):
+        keras3.utils.set_random_seed(6)
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model, generator = _shared_generator_model()
+            model.compile(optimizer="sgd", loss="mse")
+        return model, generator
+
+    reference, generator = build(None)
+    expected = _values(reference)
+    strategy = TofuStrategy(num_gpus=8, memory_budget_bytes=400_000)
+    model, tofu_generator = build(strategy)
+    head = model.get_layer("head").kernel
+    read_first = np.asarray(keras_adapter.tf_variable(head).numpy())
+    strategy.plan_model(model, batch_size=16)
+    assert _split(model)
+    np.testing.assert_array_equal(read_first, expected[_path(head, model)])
+    _assert_bitwise_equal(_values(model), expected)
+    np.testing.assert_array_equal(np.asarray(keras_adapter.tf_variable(tofu_generator.state).numpy()),
+                                  generator.state.numpy())    # advanced as far as one device's
+
+
 @pytest.mark.parametrize("num_gpus", [8, 4])
 def test_a_keras_hub_llama_starts_from_one_devices_weights(num_gpus):
     """keras-hub's own initializers (Llama's kernels: RandomNormal / VarianceScaling, its embedding),

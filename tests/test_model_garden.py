@@ -164,3 +164,18 @@ def test_run_experiment_train_and_eval_as_one_device(tmp_path):
     _assert_same_summaries(got_dir, want_dir, ["train", "validation"])
     assert len(_scalars(os.path.join(got_dir, "validation"))["validation_loss"]) == 2  # after steps 2 and 4
     _assert_same_weights(got, want)
+
+
+def test_run_experiment_seeded_starts_from_one_devices_weights(tmp_path):
+    """No initial checkpoint: both runs draw their initial values, seeded by
+    ``tf_keras.utils.set_random_seed`` as a Model Garden user seeds a run, under a mesh that
+    splits the convolutions' kernels. Before issue #39's fixes the first logged loss depended on
+    the strategy (a split kernel drew another stream)."""
+    import tf_keras
+    want_dir, got_dir = str(tmp_path / "one_device"), str(tmp_path / "tofu")
+    tf_keras.utils.set_random_seed(1)
+    want = _run(tf.distribute.get_strategy(), "train", want_dir, "", train_steps=2)
+    tf_keras.utils.set_random_seed(1)
+    got = _run(_mesh_strategy(), "train", got_dir, "", train_steps=2)
+    _assert_same_summaries(got_dir, want_dir, ["train"])
+    _assert_same_weights(got, want)

@@ -327,9 +327,14 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
         # The seed one device's creation gives an unseeded tf-keras initializer, chosen now,
         # in creation order, whatever order the value is later read or planned in.
         compat_initializer_seeds.pin_seed(initial_value)
-        self._tofu_initial_value = initial_value
+        # A Keras 3 initializer seeded with a SeedGenerator takes the generator's state now,
+        # as one device's creation does (None: one whose draws are unknown, drawn now).
+        pinned = compat_initializer_seeds.pin_generator_state(initial_value)
+        self._tofu_initial_value = initial_value if pinned is None else pinned
         self._tofu_kwargs = dict(extra_kwargs)
         self._tofu_host = None
+        if pinned is None:
+            self._host_value()
 
     def _host_value(self) -> np.ndarray:
         """The variable's value in host memory, computed from its initializer at the first eager use.

@@ -317,6 +317,21 @@ CHANGES: tuple[Change, ...] = (
             "every kernel's values)",
         packages=("tf-keras",), site="tofu_tf.tf.compat.initializer_seeds"),
     Change(
+        name="seed_generator_state_pinned",
+        replaces="a Keras 3 initializer seeded with a SeedGenerator, for the variable the strategy creates: a copy "
+                 "whose seed replays the generator state taken (generator.next()) when the variable is created; "
+                 "the deferred initial value read from the lambda Keras' TensorFlow Variable passes to tf.Variable",
+        targets=("keras.src.backend.tensorflow.core:Variable._initialize_with_initializer",
+                 "keras.src.random.seed_generator:SeedGenerator.next",
+                 "keras.src.random.seed_generator:draw_seed",
+                 "keras.src.initializers.random_initializers:RandomInitializer"),
+        scope=Scope.CREATION, undone="nothing to undo: the generator advances at the creation, as on one device; "
+                                     "the copy lives in the variable's initial value until the plan draws it",
+        why="a deferred variable is drawn at a read or at the plan, in another order than one device creates it: "
+            "the variables sharing one SeedGenerator took each other's states (a split kernel 0.27 from one "
+            "device's)",
+        packages=("keras",), site="tofu_tf.tf.compat.initializer_seeds"),
+    Change(
         name="uniform_draws_by_index",
         replaces="a tf-keras RandomUniform's or uniform VarianceScaling's generator.random_uniform, on that instance, "
                  "for one call that records its arguments and draws nothing; each shard of a weight split by its "
