@@ -158,6 +158,11 @@ ENROLLED_REPLICATED = frozenset({"MatrixDiagV3"})
 NO_LAYOUT_PROPAGATION = dtensor_support.load().refused_in_every_layout() - ENROLLED_REPLICATED
 # Op types DTensor runs replicated but not batch-split: the planner keeps them replicated.
 REPLICATED_ONLY = dtensor_support.load().refused_when_batch_split() | ENROLLED_REPLICATED
+# The op capture names a sparse gradient's sum by when the optimizer deduplicates its rows with
+# ``tf.unique`` (tf-keras' optimizers): DTensor runs that Unique on the whole index vector, so the
+# segment sum reads its rows whole; the planner keeps them so, and prices their gather.
+DEDUPLICATED_SPARSE_GRADIENT = "deduplicated_sparse_gradient"
+_DEDUPLICATED = re.compile(r"(^|/)" + DEDUPLICATED_SPARSE_GRADIENT + r"(_\d+)?$")
 # Op types TofuStrategy's layer changes take out of Keras' own layers before it plans
 # (``tofu_tf.tf.compat.layers``): fused normalizations (batch_norm_unfused, layer_norm_unfused),
 # AvgPoolGrad (average_pool_as_mean), an RNN's TensorList loop (rnn_unrolled), tf-keras'
@@ -267,6 +272,8 @@ def dtensor_lowerable(op: ir.Op, graph: ir.Graph, strategy: OpStrategy, *, has_c
     ins, outs = strategy.inputs, strategy.outputs
     if op.type in REPLICATED_ONLY:
         return all(s.replicated for s in (*ins, *outs))
+    if op.type == "UnsortedSegmentSum" and _DEDUPLICATED.search(op.name):
+        return len(ins) > 1 and ins[1].replicated        # the segment ids whole, so the rows they index
     if op.layer in conv_layers and op.type not in CONV_OPS:
         return all(s.dim in (None, 0) for s in (*ins, *outs))
     if op.type in CONV_OPS:

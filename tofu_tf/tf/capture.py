@@ -35,6 +35,7 @@ from tensorflow.python.framework import function_def_to_graph
 from tensorflow.python.ops import resource_variable_ops
 
 from tofu_tf import ir
+from tofu_tf.search import targets
 from tofu_tf.tf import keras_adapter, update_stamps
 
 _CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
@@ -220,7 +221,7 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
                 grads = tape.gradient(scaled_loss, trainable)
                 if scaling is not None:
                     grads = scaling.unscale_gradients(grads)
-                grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+                grads = [_dense_gradient(g, deduplicated) for g in grads]
                 for var, grad in zip(trainable, grads):
                     if grad is not None:
                         gradient_box[_tensor_key(grad)] = weight_names[id(keras_adapter.tf_variable(var))]
@@ -235,6 +236,7 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
         gradient_box.clear()
         opt = keras_adapter.fresh_optimizer(framework, optimizer)
         scaling = keras_adapter.loss_scaling(framework, opt)
+        deduplicated = keras_adapter.deduplicates_sparse_gradients(opt if scaling is None else scaling.inner)
         opt = keras_adapter.trace_updates_inline(opt if scaling is None else scaling.inner)
         concrete, slots, stamps = _trace_once(step_with(opt, scaling), opt, framework, (x_specs, y_spec),
                                               autograph=autograph, weights=trainable, stamp_updates=stamp_updates)
@@ -244,6 +246,19 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
     variables, handle_paths = _collect_variables(model, opt, slots, gradient_box, weight_names)
     input_names = tuple(t.name for t in concrete.graph.inputs[: len(tf.nest.flatten(x_specs)) + 1])
     return _TraceResult(concrete.graph, input_names, gradient_box, handle_paths, variables, tuple(stamps))
+
+
+def _dense_gradient(gradient, deduplicated: bool):
+    """A sparse gradient (``IndexedSlices``) as the dense tensor the strategy trains with. One an
+    optimizer deduplicates (``keras_adapter.deduplicates_sparse_gradients``) is summed by an op
+    named so that the planner keeps its rows whole (``targets.DEDUPLICATED_SPARSE_GRADIENT``), as
+    DTensor runs the ``Unique`` before it: the rows split over the batch are gathered."""
+    if not isinstance(gradient, tf.IndexedSlices):
+        return gradient
+    if not deduplicated:
+        return tf.convert_to_tensor(gradient)
+    return tf.math.unsorted_segment_sum(gradient.values, gradient.indices, gradient.dense_shape[0],
+                                        name=targets.DEDUPLICATED_SPARSE_GRADIENT)
 
 
 def _trace_step_function(step_fn, arg_specs, model, framework, optimizer, *, stamp_updates) -> _TraceResult:
@@ -262,11 +277,12 @@ def _trace_step_function(step_fn, arg_specs, model, framework, optimizer, *, sta
         # its update does to each weight is the wrapped optimizer's.
         update = keras_adapter.trace_updates_inline(opt if scaling is None else scaling.inner)
 
+        deduplicated = keras_adapter.deduplicates_sparse_gradients(opt if scaling is None else scaling.inner)
+
         def apply(grads_and_vars):
             dense = []
             for grad, var in grads_and_vars:
-                if isinstance(grad, tf.IndexedSlices):
-                    grad = tf.convert_to_tensor(grad)
+                grad = _dense_gradient(grad, deduplicated)
                 path = weight_names.get(id(keras_adapter.tf_variable(var)))
                 if grad is not None and path is not None:
                     gradient_box[_tensor_key(grad)] = path

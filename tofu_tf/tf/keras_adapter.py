@@ -471,6 +471,22 @@ def is_legacy_optimizer(optimizer) -> bool:
     return isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer)
 
 
+def deduplicates_sparse_gradients(optimizer) -> bool:
+    """Whether ``optimizer`` sums a sparse gradient's duplicate rows with ``tf.unique`` before its
+    update: tf-keras' optimizers (``Optimizer._deduplicate_sparse_grad``; a legacy one's
+    ``_resource_apply_sparse_duplicate_indices``, which its SGD overrides to scatter the rows as
+    they come). Keras 3's do not. DTensor runs ``Unique`` (its output's length depends on the
+    data) on the whole index vector, so the rows a device holds are gathered first. The private
+    read "sparse_deduplication_read"."""
+    if optimizer is None or not type(optimizer).__module__.startswith("tf_keras"):
+        return False
+    if not is_legacy_optimizer(optimizer):
+        return hasattr(optimizer, "_deduplicate_sparse_grad")
+    from tf_keras.src.optimizers.legacy import optimizer_v2
+    return (type(optimizer)._resource_apply_sparse_duplicate_indices  # pylint: disable=protected-access
+            is optimizer_v2.OptimizerV2._resource_apply_sparse_duplicate_indices)  # pylint: disable=protected-access
+
+
 def build_legacy_optimizer(optimizer, variables) -> None:
     """Make a legacy optimizer's state (step counter, hyperparameters, slots) as its first
     ``apply_gradients`` makes it: under its name scope, outside any function."""
@@ -627,18 +643,28 @@ def keras3_shape_and_dtype(initial_value) -> tuple[tf.TensorShape, tf.DType] | N
     Keras 3 (TensorFlow backend) creates its ``tf.Variable`` from
     ``lambda: initializer(self._shape, dtype=self._dtype)``; the closure holds
     the Keras variable, which knows shape and dtype without running the
-    initializer (a full-size value) just to learn them. The private read
-    "keras3_initializer_read".
+    initializer (a full-size value) just to learn them.
     """
-    for cell in getattr(initial_value, "__closure__", None) or ():
+    call = keras3_initializer_call(initial_value)
+    return None if call is None else (tf.TensorShape(call[1]), tf.as_dtype(call[2]))
+
+
+def keras3_initializer_call(initial_value) -> tuple[object, tuple, str] | None:
+    """``(initializer, shape, dtype)`` that the Keras 3 initial-value lambda ``initial_value``
+    calls (``initializer(self._shape, dtype=self._dtype)``, its closure read: the private read
+    "keras3_initializer_read"), or None for any other initial value."""
+    cells = {}
+    code = getattr(initial_value, "__code__", None)
+    for name, cell in zip(code.co_freevars if code else (), getattr(initial_value, "__closure__", None) or ()):
         try:
-            contents = cell.cell_contents
+            cells[name] = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if type(contents).__module__.startswith("keras.") and hasattr(contents, "_shape") \
-                and hasattr(contents, "_dtype"):
-            return tf.TensorShape(contents._shape), tf.as_dtype(contents._dtype)  # pylint: disable=protected-access
-    return None
+    variable = cells.get("self")
+    if not type(variable).__module__.startswith("keras.") or not hasattr(variable, "_shape") \
+            or not hasattr(variable, "_dtype"):
+        return None
+    return cells.get("initializer"), variable._shape, variable._dtype  # pylint: disable=protected-access
 
 
 def optimizer_variables(optimizer) -> list[tf.Variable]:

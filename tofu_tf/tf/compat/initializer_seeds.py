@@ -28,6 +28,7 @@ import functools
 
 import numpy as np
 
+from tofu_tf.tf import keras_adapter
 from tofu_tf.tf.compat.registry import change
 
 _CHANGE = change("initializer_seed_pinned")
@@ -56,20 +57,6 @@ _ONE_DRAW_INITIALIZERS = ("RandomNormal", "TruncatedNormal", "RandomUniform", "V
                           "Orthogonal", "OrthogonalInitializer")
 
 
-def _keras3_deferred_call(initial_value):
-    """``(initializer, shape, dtype)`` of the lambda Keras 3's TensorFlow ``Variable`` passes to
-    ``tf.Variable`` (``_initialize_with_initializer``: ``initializer(self._shape, dtype=self._dtype)``),
-    else None."""
-    code = getattr(initial_value, "__code__", None)
-    if code is None or not initial_value.__closure__ or "_initialize_with_initializer" not in initial_value.__qualname__:
-        return None
-    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in initial_value.__closure__)))
-    variable = cells.get("self")
-    if "initializer" not in cells or variable is None:
-        return None
-    return cells["initializer"], variable._shape, variable._dtype  # pylint: disable=protected-access
-
-
 def _one_draw(initializer) -> bool:
     from keras.src.initializers import random_initializers
     return any(kind.__module__ == random_initializers.__name__ and kind.__name__ in _ONE_DRAW_INITIALIZERS
@@ -82,8 +69,8 @@ def pin_generator_state(initial_value):
     initializer has no generator seed. ``None`` where the initializer is not one whose draws
     are known to take one state (a user's own ``RandomInitializer``): the caller then draws
     the value now, on the host, which advances the generator exactly as one device does."""
-    call = _keras3_deferred_call(initial_value)
-    if call is None:
+    call = keras_adapter.keras3_initializer_call(initial_value)
+    if call is None or call[0] is None:
         return initial_value
     initializer, shape, dtype = call
     from keras.src.random import seed_generator

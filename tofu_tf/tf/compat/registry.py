@@ -319,10 +319,8 @@ CHANGES: tuple[Change, ...] = (
     Change(
         name="seed_generator_state_pinned",
         replaces="a Keras 3 initializer seeded with a SeedGenerator, for the variable the strategy creates: a copy "
-                 "whose seed replays the generator state taken (generator.next()) when the variable is created; "
-                 "the deferred initial value read from the lambda Keras' TensorFlow Variable passes to tf.Variable",
-        targets=("keras.src.backend.tensorflow.core:Variable._initialize_with_initializer",
-                 "keras.src.random.seed_generator:SeedGenerator.next",
+                 "whose seed replays the generator state taken (generator.next()) when the variable is created",
+        targets=("keras.src.random.seed_generator:SeedGenerator.next",
                  "keras.src.random.seed_generator:draw_seed",
                  "keras.src.initializers.random_initializers:RandomInitializer"),
         scope=Scope.CREATION, undone="nothing to undo: the generator advances at the creation, as on one device; "
@@ -544,12 +542,24 @@ CHANGES: tuple[Change, ...] = (
         packages=("tensorflow",), site="tofu_tf.tf.compat.function_variables"),
     Change(
         name="keras3_initializer_read",
-        replaces="nothing: reads the Keras variable in the closure of Keras 3's initial-value lambda "
-                 "(its _shape and _dtype)",
+        replaces="nothing: reads the Keras variable (its _shape and _dtype) and the initializer in the "
+                 "closure of Keras 3's initial-value lambda",
         targets=("keras.src.backend.tensorflow.core:Variable._initialize_with_initializer",),
         scope=Scope.READ, undone="nothing to undo",
         why="a deferred variable needs its shape and dtype without running the initializer (a full-size value)",
         packages=("keras",), site="tofu_tf.tf.keras_adapter"),
+    Change(
+        name="sparse_deduplication_read",
+        replaces="nothing: reads whether a tf-keras optimizer deduplicates a sparse gradient's rows with tf.unique "
+                 "(Optimizer._deduplicate_sparse_grad; whether a legacy optimizer keeps OptimizerV2's "
+                 "_resource_apply_sparse_duplicate_indices)",
+        targets=("tf_keras.src.optimizers.optimizer:Optimizer._deduplicate_sparse_grad",
+                 "tf_keras.src.optimizers.legacy.optimizer_v2:OptimizerV2._resource_apply_sparse_duplicate_indices"),
+        scope=Scope.READ, undone="nothing to undo",
+        why="DTensor runs that Unique on the whole index vector and gathers the gradient's rows split over the "
+            "batch; priced as an all-reduce of the dense gradient, the tf-keras GPT's 227.5 KiB of all-gathers a "
+            "step were missing from its plan",
+        packages=("tf-keras",), site="tofu_tf.tf.keras_adapter"),
     Change(
         name="int8_matmul_exact",
         replaces="Keras 3's TensorFlow-backend numpy.matmul and numpy.einsum (module functions), for int8 x int8 "
