@@ -26,11 +26,8 @@ that differs by more than that fraction, or state bytes that do.
 
 from __future__ import annotations
 
-import collections
-import glob
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -41,6 +38,8 @@ sys.path.insert(0, ROOT)
 from absl import app, flags  # noqa: E402
 
 from bench import compared_models  # noqa: E402
+from tofu_tf import executed  # noqa: E402
+from tofu_tf.strategies import step_measurement  # noqa: E402
 
 flags.DEFINE_list("models", ["mlp", "gpt", "cnn", "llama", "bert", "mixtral"], "Models to measure.")
 flags.DEFINE_float("tolerance", 0.1, "Largest relative gap between executed and modeled figures.")
@@ -49,79 +48,6 @@ flags.DEFINE_string("method", "tofu", "TofuStrategy's planning method (tofu, dat
 flags.DEFINE_integer("num_devices", 8, "Devices (virtual CPUs when no GPU is visible).")
 flags.DEFINE_string("run_model", None, "Internal: train --run_model here and print the plan's figures as JSON.")
 FLAGS = flags.FLAGS
-
-# DTensor's collectives after SPMD expansion (how it expressed the plan's relayouts) and the
-# collectives its lowering passes leave in the program (what runs: on CPU an all-gather becomes an
-# all-reduce of a zero-padded buffer, a reduce-scatter an all-reduce and a slice).
-DTENSOR_KINDS = {"DTensorAllReduce": "all-reduce", "DTensorReduceScatter": "reduce-scatter",
-                 "DTensorAllGather": "all-gather", "DTensorAllToAll": "all-to-all"}
-RUN_KINDS = {"CollectiveReduceV2": "all-reduce", "CollectiveReduceScatterV2": "reduce-scatter",
-             "CollectiveGatherV2": "all-gather", "CollectiveAllToAllV2": "all-to-all"}
-_OP = re.compile(r'"tf\.(' + "|".join(list(DTENSOR_KINDS) + list(RUN_KINDS)) + r')"\(([^)]*)\)')
-_TYPES = re.compile(r":\s*\((.*)\)\s*->\s*(.*)$")
-_TENSOR = re.compile(r"tensor<([^>]*)>")
-_DEFINES = r'^\s*(%[\w#]+)(?:, %[\w#]+)* = (?:tf_executor\.island wraps )?'
-_SCALAR = re.compile(_DEFINES + r'"tf.Const"\(\) <\{value = dense<(\d+)> : tensor<i32>\}>')
-_GROUPS = re.compile(_DEFINES + r'"tf.Const"\(\).*:\s*\(\)\s*->\s*tensor<(\d+)x(\d+)xi32>')
-DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i32": 4, "i64": 8, "i8": 1, "i1": 1}
-
-
-def _tensor_bytes(text: str) -> int:
-    """Bytes of an MLIR ``tensor<AxBxf32>`` (element type last)."""
-    *dims, dtype = text.split("x")
-    size = DTYPE_BYTES.get(dtype, 4)
-    for dim in dims:
-        size *= int(dim)
-    return size
-
-
-def collectives(mlir: str, kinds: dict, link) -> dict:
-    """Per collective kind: [count, bytes each device sends per step] of the ops named in
-    ``kinds`` in one DTensor program text, priced by the cost model's own
-    ``collective_cost`` on ``link`` (so an all-gather DTensor expresses is priced as the
-    all-reduce it lowers to, as the plan prices it)."""
-    from tofu_tf.cost.collectives import Collective, collective_cost
-    sizes = {}
-    for line in mlir.splitlines():
-        scalar, groups = _SCALAR.match(line), _GROUPS.match(line)
-        if scalar:
-            sizes[scalar.group(1)] = int(scalar.group(2))
-        elif groups:
-            sizes[groups.group(1)] = int(groups.group(3))
-    found = collections.defaultdict(lambda: [0, 0.0])
-    for line in mlir.splitlines():
-        op, types = _OP.search(line), _TYPES.search(line)
-        if not op or not types or op.group(1) not in kinds:
-            continue
-        kind = kinds[op.group(1)]
-        operands = [name.strip() for name in op.group(2).split(",")]
-        local_in = _tensor_bytes(_TENSOR.findall(types.group(1))[0])
-        local_out = _tensor_bytes(_TENSOR.findall(types.group(2))[0])
-        group = operands[1] if len(operands) > 1 else None
-        n = sizes.get(group) or max(1, round(max(local_in, local_out) / max(min(local_in, local_out), 1)))
-        # B of tofu_tf/cost/collectives.py: the tensor's bytes when replicated on the axis.
-        whole = {"all-gather": local_out, "all-to-all": local_in * n}.get(kind, local_in)
-        found[kind][0] += 1
-        found[kind][1] += collective_cost(Collective(kind), whole, n, link).bytes
-    return dict(found)
-
-
-def _training_step_programs(dump_dir: str):
-    """The training step's program (the function DTensor compiled with the largest program) as
-    DTensor expanded it (after SPMD expansion and CSE) and as its last pass left it."""
-    dumps = glob.glob(os.path.join(dump_dir, "dtensor.*.__inference_*"))
-    if not dumps:
-        raise RuntimeError(f"DTensor wrote no program to {dump_dir}: is TF_DUMP_GRAPH_PREFIX honoured by this "
-                           "TensorFlow?")
-    step = max(dumps, key=os.path.getsize).rsplit(".__inference_", 1)[1]
-    stages = sorted(path for path in dumps if path.endswith(".__inference_" + step))
-    expanded = [path for path in stages if ".after_CSE." in path]
-
-    def read(path):
-        with open(path) as program:
-            return program.read()
-    return read(expanded[0] if expanded else stages[-1]), read(stages[-1])
-
 
 def _run_here():
     """--run_model: two steps under TofuStrategy; the plan's figures and the state as placed."""
@@ -141,17 +67,7 @@ def _run_here():
         compared_models.compile_for_training(model)
     model.fit(x, y, batch_size=FLAGS.batch_size, shuffle=False, verbose=0)
     plan = strategy.plan
-    state = 0
-    for variable in list(model.weights) + list(model.optimizer.variables):
-        value = getattr(variable, "value", variable)
-        value = variable if callable(value) else value
-        shards = 1
-        layout = getattr(value, "layout", None)
-        if layout is not None:
-            sizes = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
-            for axis in layout.sharding_specs:
-                shards *= sizes.get(axis, 1)
-        state += value.shape.num_elements() * value.dtype.size // shards
+    state = step_measurement.placed_state_bytes(model)
     memory = plan.memory
     print(json.dumps({
         "modeled": {kind: cost.bytes for kind, cost in plan.comm_by_collective.items() if cost.bytes},
@@ -162,28 +78,18 @@ def _run_here():
 
 def _measure(name: str) -> dict:
     with tempfile.TemporaryDirectory() as dump_dir:
-        env = {**os.environ, "TF_DUMP_GRAPH_PREFIX": dump_dir, "TF_CPP_VMODULE": "dtensor_mlir_passes=4",
-               "TF_CPP_MIN_LOG_LEVEL": "0"}
         out = subprocess.run([sys.executable, os.path.abspath(__file__), f"--run_model={name}",
                               f"--batch_size={FLAGS.batch_size}", f"--num_devices={FLAGS.num_devices}",
                               f"--method={FLAGS.method}"],
-                             env=env, capture_output=True, text=True, timeout=1800)
+                             env=executed.dump_environment(dump_dir), capture_output=True, text=True, timeout=1800)
         lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
         if out.returncode or not lines:
             raise RuntimeError(f"{name} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
         row = json.loads(lines[-1])
-        expanded, lowered = _training_step_programs(dump_dir)
         from tofu_tf.cost import hardware
-        link = hardware.profile(row["hardware"]).intra_node
-        row["dtensor"] = collectives(expanded, DTENSOR_KINDS, link)
-        row["runs"] = collectives(lowered, RUN_KINDS, link)
+        figures = executed.figures_from_dumps(dump_dir, hardware.profile(row["hardware"]).intra_node, row["state"])
+        row["dtensor"], row["runs"] = figures.collectives, figures.lowered
     return row
-
-
-def _gap(executed: float, modeled: float) -> float:
-    if not executed and not modeled:
-        return 0.0
-    return abs(executed - modeled) / max(executed, modeled)
 
 
 def main(argv):
@@ -203,7 +109,7 @@ def main(argv):
         for kind in sorted(set(row["dtensor"]) | set(row["modeled"])):
             count, expressed = row["dtensor"].get(kind, [0, 0.0])
             modeled = row["modeled"].get(kind, 0.0)
-            gap = _gap(expressed, modeled)
+            gap = executed.gap(expressed, modeled)
             share = abs(expressed - modeled) / step_bytes
             if share > FLAGS.tolerance:
                 gaps.append(f"{name} {kind} {gap:.0%} ({share:.0%} of the step)")
@@ -212,13 +118,13 @@ def main(argv):
         runs = sum(count for count, _ in row["runs"].values())
         sent = sum(nbytes for _, nbytes in row["runs"].values())
         modeled = sum(row["modeled"].values())
-        gap = _gap(sent, modeled)
+        gap = executed.gap(sent, modeled)
         if gap > FLAGS.tolerance:
             gaps.append(f"{name} total {gap:.0%}")
         kinds = "+".join(f"{count} {kind}" for kind, (count, _) in sorted(row["runs"].items())) or "none"
         print(f"{name:<9}{'runs (lowered)':<16}{runs:>12}{sent / 1024:>13.1f}{modeled / 1024:>13.1f}{gap:>7.0%}"
               f"   {kinds}")
-        state_gap = _gap(row["state"], row["modeled_state"])
+        state_gap = executed.gap(row["state"], row["modeled_state"])
         if state_gap > FLAGS.tolerance:
             gaps.append(f"{name} state {state_gap:.0%}")
         print(f"{name:<9}{'state/device':<16}{'':>12}{row['state'] / 1024:>13.1f}{row['modeled_state'] / 1024:>13.1f}"

@@ -173,3 +173,29 @@ class HandLike:
     mesh_shape: dict
     variable_layouts: dict
     input_layouts: dict
+
+
+def _measured() -> Plan:
+    from tofu_tf.executed import ExecutedFigures
+    return dataclasses.replace(_plan(), executed=ExecutedFigures(
+        collectives={"all-reduce": (3, 1024.0), "all-gather": (1, 512.0)}, lowered={"all-reduce": (1, 1536.0)},
+        state_bytes=3072))
+
+
+def test_measured_figures_read_back_and_stand_beside_the_model():
+    plan = _measured()
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "executed" not in _plan().to_dict()          # a plan not measured writes what it always wrote
+    rows = {line.split()[0]: line.split() for line in plan.summary().splitlines()[1:]}
+    assert rows["executed"][:2] == ["executed", "(measured)"]
+    # kind: ops, executed MiB, modeled MiB, gap; an all-gather the plan did not price is a 100% gap
+    assert rows["all-gather"][1:] == ["1", "0.000", "0.000", "100%"]
+    assert rows["runs"][2:] == ["1", "0.001", "0.001", "33%"]       # 1536 executed against 1024 modeled
+    assert rows["state/device"][1:] == ["0.003", "0.003", "0%"]     # weights + slots: 1024 + 2048
+
+
+def test_measured_figures_that_do_not_read_are_named():
+    data = _measured().to_dict()
+    data["executed"]["lowered"] = {"all-reduce": [1]}
+    with pytest.raises(PlanError, match="executed: lowered"):
+        Plan.from_dict(data)

@@ -194,3 +194,49 @@ def test_the_command_exits_2_on_a_module_it_cannot_import(tmp_path):
     assert done.stderr.strip().splitlines()[-1] == (
         "tofu-plan: error: no module named 'my_missing_models': give an importable module (run from its "
         "directory, or set PYTHONPATH) or a .py file's path.")
+
+
+@pytest.mark.slow   # plans, then trains two steps in a measuring child process
+def test_measure_shows_what_dtensor_executed_beside_the_model(tmp_path, monkeypatch):
+    """``--measure`` trains the plan's step (a tf-keras GPT, data parallel on 8 virtual CPUs)
+    and reads DTensor's program: each collective kind's executed bytes beside the modeled ones,
+    the collectives after lowering and the state as placed, in the summary, the JSON and the page.
+    The GPT's embedding gradient is gathered (tf-keras deduplicates it with ``tf.unique``), so the
+    step has an all-gather as well as all-reduces, each executed as modeled."""
+    # The measuring run is a fresh process: as a user's, with DTensor's all-reduce combining on
+    # (tests/conftest.py switches it off for this process's pipeline tests).
+    monkeypatch.delenv("DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION", raising=False)
+    out = io.StringIO()
+    request = _request(tmp_path, model="tofu_tf.models:gpt", model_kwargs={"num_layers": 2, "seq_len": 32,
+                                                                         "vocab_size": 256},
+                       num_devices=8, batch_size=16,
+                       use_cache=False, measure=True, json_path=str(tmp_path / "plan.json"),
+                       html_path=str(tmp_path / "plan.html"))
+    plan = plan_command.run(request, out).plan
+    assert plan.mesh_shape == {"batch": 8}, plan.summary()        # the premise: bench/executed.py's GPT plan
+    figures = plan.executed
+    assert figures is not None and set(figures.collectives) == {"all-reduce", "all-gather"}, figures
+    for kind, (count, nbytes) in figures.collectives.items():
+        assert count > 0 and nbytes == pytest.approx(plan.comm_by_collective[kind].bytes, rel=0.02), kind
+    assert 0 < figures.lowered_count < figures.collectives["all-reduce"][0]       # DTensor combined them
+    assert figures.state_bytes == plan.memory.weight_bytes + plan.memory.optimizer_slot_bytes
+    lines = out.getvalue().splitlines()
+    assert any(line.split()[:2] == ["executed", "(measured)"] for line in lines), out.getvalue()
+    assert any(line.split()[0] == "all-gather" and line.split()[-1] == "0%" for line in lines
+               if line.startswith("  all-gather") and len(line.split()) == 5), out.getvalue()
+    assert Plan.from_file(tmp_path / "plan.json").executed == figures
+    assert "executed (measured): DTensor's program against the model" in _page_text(tmp_path / "plan.html")
+
+
+def test_a_measuring_run_that_fails_is_one_line_naming_the_model(tmp_path, monkeypatch):
+    """A model the measuring run cannot train ends in the command's one-line error, exit 2."""
+    from tofu_tf import executed
+
+    def failed(plan, request, **kwargs):
+        raise executed.MeasurementError(f"the measuring run of {request['model']} failed (exit 1); the end of "
+                                        "its log:\nTraceback ...\nValueError: as a test says")
+    monkeypatch.setattr(executed, "measure", failed)
+    status, out, err = _execute("--model=tofu_tf.models:mlp", f"--model_kwargs={json.dumps(TINY_MLP)}",
+                                "--num_devices=4", "--hardware=cpu-virtual", "--measure", f"--cache_dir={tmp_path}")
+    assert status == plan_command.EXIT_BAD_INPUT and out == ""
+    assert err.count("\n") == 1 and "the measuring run of tofu_tf.models:mlp failed" in err

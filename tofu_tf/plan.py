@@ -26,6 +26,7 @@ import os
 from typing import Mapping
 
 from tofu_tf.cost.memory import MemoryReport
+from tofu_tf.executed import ExecutedFigures, comparison_rows
 from tofu_tf.plan_check import (PLAN_ATTRIBUTES, PlanError, layouts_problems, mesh_problems,
                                 raise_problems)
 
@@ -89,6 +90,9 @@ class Plan:
         target: "dtensor" (layouts DTensor runs) or "ideal" (Tofu's whole space).
         pinned_variables: Weight paths whose layouts a layout map fixed (their optimizer slots
             follow); the summary marks them.
+        executed: What DTensor compiled for a training step under this plan, when it was
+            measured (``tofu-plan --measure``); the summary and the page show it beside the
+            modeled figures. None until measured.
 
     Example:
         >>> import tofu_tf
@@ -119,6 +123,7 @@ class Plan:
     compute_seconds: float = 0.0
     target: str = "dtensor"
     pinned_variables: tuple[str, ...] = ()
+    executed: ExecutedFigures | None = None
 
     # -- what other components read ----------------------------------------
     @property
@@ -192,6 +197,7 @@ class Plan:
         width = _name_width(["collective", layer_header] + [name for name, _ in collectives + layers])
         lines.append(_row("collective", width, f"{'MiB':>12} {'ms':>10}"))
         lines.extend(_row(kind, width, _cost_cells(cost)) for kind, cost in collectives)
+        lines.extend(self._executed_lines())
         lines.append(_row(layer_header, width, f"{'MiB':>12} {'ms':>10}"))
         lines.extend(_row(layer, width, _cost_cells(cost)) for layer, cost in layers)
         variables = list(self.variable_layouts.items())[:top]
@@ -203,6 +209,19 @@ class Plan:
             lines.append(f"  ... and {len(self.variable_layouts) - top} more variables")
         lines.extend(f"  note: {note}" for note in self.notes[:top])
         return "\n".join(lines)
+
+    def _executed_lines(self) -> list[str]:
+        """The measured figures beside the modeled ones (nothing before a measurement)."""
+        if self.executed is None:
+            return []
+        memory = self.memory
+        rows = comparison_rows(self.executed, {k: c.bytes for k, c in self.comm_by_collective.items()},
+                               memory.weight_bytes + memory.optimizer_slot_bytes)
+        width = _name_width(["executed (measured)"] + [row[0] for row in rows])
+        lines = [_row("executed (measured)", width, f"{'ops':>5} {'MiB':>12} {'modeled MiB':>12} {'gap':>6}")]
+        lines.extend(_row(what, width, f"{count:>5} {done / 2**20:>12,.3f} {modeled / 2**20:>12,.3f} {gap:>6.0%}")
+                     for what, count, done, modeled, gap in rows)
+        return lines
 
     def to_html(self, path, *, graph=None, comparison=None) -> None:
         """Write the plan's page to ``path``: one self-contained HTML file, no network needed.
@@ -272,6 +291,7 @@ class Plan:
             "pinned_variables": list(self.pinned_variables),
             "compute_seconds": self.compute_seconds,
             "target": self.target,
+            **({} if self.executed is None else {"executed": self.executed.to_dict()}),
         }
 
     def to_json(self, **json_kwargs) -> str:
@@ -429,7 +449,7 @@ def _read_fields(data: Mapping) -> tuple[dict, list[str]]:
         "comm_by_collective": _costs, "comm_by_layer": _costs, "memory": _memory,
         "search_seconds": _number, "compute_seconds": _number, "hardware": _text, "target": _text,
         "memory_budget_bytes": _optional(_integer), "proved_optimal": _optional(_boolean), "notes": _notes,
-        "pinned_variables": _notes,
+        "pinned_variables": _notes, "executed": _optional(ExecutedFigures.from_dict),
     }
     for name, read in readers.items():
         if name not in data:

@@ -9,7 +9,10 @@ This module owns the command: reading its flags, building the model from a
 plan cache (``tofu_tf.plan_cache``; ``--no_cache`` plans afresh), pricing the
 baselines asked for beside it, printing the summary and writing the files
 (``tofu_tf.plan_report``). It plans only: it lays out no device and trains
-nothing, so it runs on a laptop for a cluster's mesh. Bad input (a builder that
+nothing, so it runs on a laptop for a cluster's mesh. With ``--measure`` it also
+trains two steps under the plan on this machine's devices (virtual CPUs where the
+GPUs are fewer) and shows what DTensor compiled beside the model
+(``tofu_tf.executed``). Bad input (a builder that
 cannot be found or fails, a budget no plan meets) ends in one line naming the
 problem and the fix, and exit status 2.
 
@@ -62,6 +65,7 @@ class PlanRequest:
     png_path: str | None = None
     use_cache: bool = True
     cache_dir: str | None = None
+    measure: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +112,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "the cache holds is taken from it, and a new one is kept there).", flag_values=flag_values)
     flags.DEFINE_string("cache_dir", None, "Plan cache directory (default: $TOFU_PLAN_CACHE, else the user's "
                         "cache directory).", flag_values=flag_values)
+    _define_measure_flag(flag_values)
+
+
+def _define_measure_flag(flag_values: flags.FlagValues) -> None:
+    flags.DEFINE_boolean("measure", False, "Also train two steps under the plan here (virtual CPUs where the GPUs "
+                         "are fewer) and show the collectives and state DTensor executed beside the modeled ones.",
+                         flag_values=flag_values)
 
 
 def request_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> PlanRequest:
@@ -131,7 +142,7 @@ def request_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> PlanReque
         model=f.model, model_kwargs=kwargs, num_devices=f.num_devices, batch_size=f.batch_size, loss=f.loss,
         optimizer=f.optimizer, memory_budget_gib=f.memory_budget_gib, hardware=f.hardware, method=f.method,
         objective=f.objective, mesh=f.mesh, compare=tuple(f.compare), json_path=f.json, html_path=f.html,
-        png_path=f.png, use_cache=not f.no_cache, cache_dir=f.cache_dir)
+        png_path=f.png, use_cache=not f.no_cache, cache_dir=f.cache_dir, measure=f.measure)
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -175,10 +186,13 @@ def _import(module_name: str):
         raise CommandError(f"importing {module_name!r} failed: {type(error).__name__}: {error}") from error
 
 
-def build_model(spec: str, kwargs: Mapping):
-    """The built Keras model ``spec``'s builder returns for ``kwargs``, named as in a fresh process."""
+def build_model(spec: str, kwargs: Mapping, *, fresh_names: bool = True):
+    """The built Keras model ``spec``'s builder returns for ``kwargs``, named as in a fresh process
+    (``fresh_names=False`` where the caller did that before entering a strategy's scope, which
+    clearing Keras' session inside would leave)."""
     builder = load_builder(spec)
-    _fresh_keras_names()
+    if fresh_names:
+        fresh_keras_names()
     try:
         model = builder(**kwargs)
     except Exception as error:
@@ -190,7 +204,7 @@ def build_model(spec: str, kwargs: Mapping):
     return model
 
 
-def _fresh_keras_names() -> None:
+def fresh_keras_names() -> None:
     """Reset the layer-name counters of every Keras module already imported. Keras numbers
     unnamed layers per process (dense_3), and op names, hence the captured graph and the
     cache key, carry them: a second run in one process must name as the first did."""
@@ -286,6 +300,8 @@ def run(request: PlanRequest, out: TextIO = sys.stdout) -> PlanOutcome:
     if request.use_cache and request.cache_dir is None and plan_cache.cache_disabled():
         request = dataclasses.replace(request, use_cache=False)       # $TOFU_PLAN_CACHE=off
     outcome = plan_request(request)
+    if request.measure:
+        outcome = dataclasses.replace(outcome, plan=_measured(outcome.plan, request))
     plan = outcome.plan
     print(plan.summary(), file=out)
     if outcome.comparison:
@@ -308,7 +324,19 @@ def run(request: PlanRequest, out: TextIO = sys.stdout) -> PlanOutcome:
     return outcome
 
 
+def _measured(plan: Plan, request: PlanRequest) -> Plan:
+    """``plan`` with what DTensor compiled for its step (``tofu_tf.executed.measure``)."""
+    from tofu_tf import executed
+    logging.info("Measuring: training %s two steps under the plan on %d devices ...", request.model,
+                 request.num_devices)
+    figures = executed.measure(plan, {"model": request.model, "model_kwargs": dict(request.model_kwargs),
+                                      "batch_size": request.batch_size, "loss": request.loss,
+                                      "optimizer": request.optimizer, "num_devices": request.num_devices})
+    return dataclasses.replace(plan, executed=figures)
+
+
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
+    from tofu_tf.executed import MeasurementError
     from tofu_tf.plan_check import PlanError
     from tofu_tf.plan_report import PlotUnavailableError
     from tofu_tf.search import InfeasibleBudgetError, UnsupportedOpError
@@ -316,7 +344,7 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
     # ValueError: an unknown hardware profile, a mesh of the wrong device count, a loss
     # Keras does not know; OSError: an output path that cannot be written.
     return (CommandError, InfeasibleBudgetError, UnsupportedOpError, DynamicShapeError, PlanError,
-            PlotUnavailableError, ValueError, OSError)
+            PlotUnavailableError, MeasurementError, ValueError, OSError)
 
 
 def execute(flag_values: flags.FlagValues = flags.FLAGS, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:

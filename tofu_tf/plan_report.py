@@ -23,6 +23,7 @@ from typing import Mapping
 from tofu_tf import ir
 from tofu_tf.cost import hardware as hardware_profiles
 from tofu_tf.errors import TofuError
+from tofu_tf.executed import comparison_rows
 from tofu_tf.plan import Plan, format_bytes
 
 # Memory roles in the order the bars stack them, with their colours (HTML and PNG alike).
@@ -266,7 +267,23 @@ def _cost_table(title: str, costs, *, top: int | None = None) -> str:
 
 def _communication(plan: Plan) -> str:
     return ("<h2>Communication per device per step</h2>" + _cost_table("by collective kind", plan.comm_by_collective)
-            + _cost_table(f"by layer (top {_TOP_LAYERS})", plan.comm_by_layer, top=_TOP_LAYERS))
+            + _executed(plan) + _cost_table(f"by layer (top {_TOP_LAYERS})", plan.comm_by_layer, top=_TOP_LAYERS))
+
+
+def _executed(plan: Plan) -> str:
+    """What DTensor compiled for the step, beside the model, once measured (``tofu-plan --measure``)."""
+    if plan.executed is None:
+        return ""
+    memory = plan.memory
+    rows = comparison_rows(plan.executed, {k: c.bytes for k, c in plan.comm_by_collective.items()},
+                           memory.weight_bytes + memory.optimizer_slot_bytes)
+    cells = "".join(
+        f"<tr><td class=\"path\">{_e(what)}</td><td class=\"num\">{_e(count)}</td>"
+        f"<td class=\"num\">{done / 2**20:,.3f}</td><td class=\"num\">{modeled / 2**20:,.3f}</td>"
+        f"<td class=\"num\">{gap:.0%}</td></tr>" for what, count, done, modeled, gap in rows)
+    return ("<h3>executed (measured): DTensor's program against the model</h3><table><tr><th>what</th>"
+            "<th class=\"num\">ops</th><th class=\"num\">executed MiB</th><th class=\"num\">modeled MiB</th>"
+            f"<th class=\"num\">gap</th></tr>{cells}</table>")
 
 
 def _layers(plan: Plan, graph: ir.Graph | None) -> str:
