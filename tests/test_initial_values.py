@@ -110,6 +110,17 @@ def test_initial_values_are_one_devices_whatever_the_plan(kind, num_gpus, option
     _assert_bitwise_equal(_values(model), expected)
 
 
+def _assert_head_read_first_then_planned(model, strategy, expected):
+    """The head's kernel read before the plan, then the plan (which splits some weight): the value
+    read and every weight after the plan are one device's (``expected``)."""
+    head = model.get_layer("head").kernel
+    read_first = np.asarray(keras_adapter.tf_variable(head).numpy())
+    strategy.plan_model(model, batch_size=16)
+    assert _split(model)
+    np.testing.assert_array_equal(read_first, expected[_path(head, model)])
+    _assert_bitwise_equal(_values(model), expected)
+
+
 @pytest.mark.parametrize("kind", ["tf_keras", "keras3"])
 def test_reading_weights_before_the_plan_changes_nothing(kind):
     """A read before the plan draws that weight on the host then; the rest are drawn at the
@@ -117,13 +128,7 @@ def test_reading_weights_before_the_plan_changes_nothing(kind):
     kernel first gave it the first kernel's seed (and every other weight another one)."""
     expected = _values(_build(kind, None))
     strategy = TofuStrategy(num_gpus=8, memory_budget_bytes=400_000)
-    model = _build(kind, strategy)
-    head = model.get_layer("head").kernel
-    read_first = np.asarray(keras_adapter.tf_variable(head).numpy())
-    strategy.plan_model(model, batch_size=16)
-    assert _split(model)
-    np.testing.assert_array_equal(read_first, expected[_path(head, model)])
-    _assert_bitwise_equal(_values(model), expected)
+    _assert_head_read_first_then_planned(_build(kind, strategy), strategy, expected)
     strategy = TofuStrategy(num_gpus=8, memory_budget_bytes=400_000)
     again = _build(kind, strategy)
     before = again.get_weights()                  # every weight read whole before the plan
@@ -197,12 +202,7 @@ def test_initializers_sharing_a_seed_generator_take_one_devices_states():
     expected = _values(reference)
     strategy = TofuStrategy(num_gpus=8, memory_budget_bytes=400_000)
     model, tofu_generator = build(strategy)
-    head = model.get_layer("head").kernel
-    read_first = np.asarray(keras_adapter.tf_variable(head).numpy())
-    strategy.plan_model(model, batch_size=16)
-    assert _split(model)
-    np.testing.assert_array_equal(read_first, expected[_path(head, model)])
-    _assert_bitwise_equal(_values(model), expected)
+    _assert_head_read_first_then_planned(model, strategy, expected)
     np.testing.assert_array_equal(np.asarray(keras_adapter.tf_variable(tofu_generator.state).numpy()),
                                   generator.state.numpy())    # advanced as far as one device's
 
