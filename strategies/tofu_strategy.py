@@ -834,6 +834,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
 
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         kwargs = kwargs or {}
+        traced_batches.refuse_run_in_dataset_function()
         if self._options.pipeline is not None:
             raise pipelined.PipelineError(
                 "a pipelined TofuStrategy trains through Keras' fit, evaluate and predict, and strategy.run "

@@ -64,6 +64,10 @@ MAX_UNROLLED_BATCHES = 256
 class TracedBatchError(TofuError, ValueError):
     """A batch taken inside a tf.function cannot be given to the program traced for it."""
 
+    # Raised while a tf.function is traced: AutoGraph would re-raise it as a StagingError with its
+    # own trace in the message; TF's marker (as on its op_selector.UnliftableError) lets it through.
+    ag_pass_through = True
+
 
 def in_trace() -> bool:
     """Whether a batch asked for now is taken by a ``tf.function`` being traced."""
@@ -375,6 +379,36 @@ class EpochInTrace:
                 "function's loop over it would skip the rest. Keep the number of batches fixed, or iterate "
                 "the distributed dataset outside the tf.function (for batch in dist: step(batch)).")
         return self._place(batch)
+
+
+def dataset_function_name() -> str | None:
+    """The name of the tf.data function being traced around the current trace, if any: AutoGraph
+    writes ``for x in dataset`` over a ``tf.data.Dataset`` inside a ``tf.function`` as a
+    ``Dataset.scan`` whose body tf.data traces as a function named after its transformation
+    (``Dataset_scan_scan_body``; tf.data's ``StructuredFunctionWrapper`` names every dataset
+    function ``Dataset_<transformation>_<function>``). tf.data runs such a function on the host."""
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if str(getattr(graph, "name", "")).startswith("Dataset_"):
+            return graph.name
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
+def refuse_run_in_dataset_function() -> None:
+    """Refuse ``strategy.run`` called in the body of a tf.data function, naming the fix. DTensor
+    cannot compile such a function (its body runs on the host, in tf.data), and failed with
+    "'tf_device.cluster' op failed to merge mesh cluster" when the step was first called."""
+    if tf.executing_eagerly():
+        return
+    name = dataset_function_name()
+    if name is not None:
+        raise TracedBatchError(
+            f"strategy.run was called inside the tf.data function {name!r}: AutoGraph writes a `for x in dataset` "
+            "over a tf.data.Dataset inside a tf.function as a dataset scan, whose body tf.data runs on the host, "
+            "where TofuStrategy's programs cannot run. Distribute the dataset and iterate that instead: "
+            "dist = strategy.experimental_distribute_dataset(dataset), then `for x in dist: strategy.run(step, "
+            "args=(x,))`, inside the tf.function or outside it.")
 
 
 def in_graph_loop() -> bool:

@@ -506,8 +506,8 @@ def test_a_batch_taken_inside_the_tf_function_of_another_shape_than_traced_is_re
         for batch in dataset:
             strategy.run(loop.train_step, args=(batch,))
 
-    with pytest.raises(Exception, match=r"TracedBatchError: .* more than 1 batches.*Iterate outside the tf.function"):
-        epoch(dist)                         # raised while tracing: autograph wraps it in a StagingError
+    with pytest.raises(traced_batches.TracedBatchError, match=r"more than 1 batches.*Iterate outside the tf.function"):
+        epoch(dist)                         # raised while tracing, passed through by AutoGraph unchanged
 
 
 def test_a_bare_layer_run_on_a_batch_taken_inside_the_tf_function_computes_as_one_device():
@@ -561,3 +561,28 @@ def test_a_metric_run_eagerly_on_python_lists_gives_one_devices_result(make):
     strategy.run(metric.update_state, args=(labels, predictions))               # a method, traced once more
     want.update_state(labels, predictions)
     np.testing.assert_allclose(float(metric.result()), float(want.result()), rtol=1e-6)
+
+
+def test_a_dataset_iterated_inside_the_tf_function_is_refused_naming_the_distributed_one():
+    """custom_training_loop_metrics_test's dynamic-shape case: ``for i in dataset`` over a plain
+    tf.data.Dataset inside a tf.function, ``strategy.run`` in the body. AutoGraph writes that loop as
+    a dataset scan whose body tf.data runs on the host; before, DTensor failed to compile the
+    function ("'tf_device.cluster' op failed to merge mesh cluster", no word of the dataset). The
+    remedy the error names, the distributed dataset iterated in the same function, gives one
+    device's mean."""
+    from tofu_tf.strategies import traced_batches
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        metric = tf_keras.metrics.Mean("mean", dtype=np.float32)
+    dataset = tf.data.Dataset.range(16).batch(8)
+
+    @tf.function
+    def train(data):
+        for batch in data:
+            strategy.run(metric.update_state, args=(batch,))
+
+    with pytest.raises(traced_batches.TracedBatchError, match=r"inside the tf.data function 'Dataset_scan.*"
+                                                              r"strategy.experimental_distribute_dataset"):
+        train(dataset)
+    train(strategy.experimental_distribute_dataset(dataset))
+    assert float(metric.result()) == 7.5
