@@ -576,6 +576,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             return None if layout is None else tuple(layout.sharding_specs)
 
         self._record(*compat_layers.relayout_layer_inputs(model, kernel_specs, lowered.batch_axis, lowered.mesh))
+        # A pipeline stage's plan is its own; a hand-written plan (mesh and layouts only) has no op strategies.
+        op_strategies = getattr(self._plan, "op_strategies", None) if lowered is self._lowered else None
+        if op_strategies:
+            self._record(*compat_layers.relayout_statistics_inputs(model, op_strategies, lowered.mesh))
 
     @contextlib.contextmanager
     def _creating_plain_variables(self):

@@ -15,11 +15,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
 
+def _user_environment() -> dict:
+    """The measuring processes' environment: as a user's, with DTensor's all-reduce combining on
+    (tests/conftest.py switches it off for this process's pipeline tests)."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION", None)
+    return env
+
+
+def _mesh(rows, model) -> str:
+    """The mesh the state row names (``mesh {'batch': 8}``)."""
+    return " ".join(rows[(model, "state/device")]).split(" mesh ", 1)[1]
+
+
 def _table(*models, flags=()):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "executed.py"), f"--models={','.join(models)}",
                           *flags],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=_user_environment())
     rows = {}
     for line in out.stdout.splitlines():
         cells = line.split()
@@ -58,8 +70,21 @@ def test_an_embeddings_deduplicated_gradient_is_priced_as_the_gather_dtensor_run
     gathers the ids and the gradient's rows. Before, the plan priced an all-reduce of the dense
     embedding gradient instead (all-gather 0 KiB modeled against 227.5 executed)."""
     out, rows = _table("gpt")
-    assert rows[("gpt", "state/device")][-1].startswith("{'batch'"), out.stdout   # the premise: data parallel
+    assert _mesh(rows, "gpt") == "{'batch': 8}", out.stdout                      # the premise: data parallel
     count, expressed, modeled, gap = rows[("gpt", "all-gather")][2:6]
     assert float(expressed) > 0 and float(expressed) == pytest.approx(float(modeled), rel=0.02), out.stdout
     count, expressed, modeled, gap = rows[("gpt", "all-reduce")][2:6]
     assert float(expressed) == pytest.approx(float(modeled), rel=0.02), out.stdout
+
+
+def test_batch_statistics_the_plan_computes_whole_are_computed_whole():
+    """The CNN, data parallel on the CPU profile: the plan gathers BatchNormalization's input once and
+    computes its mean and variance on every device (one collective instead of two partial-sum
+    all-reduces, on a link that charges latency per collective). Before, DTensor carried the batch
+    split into the moments (the lowering pins only layer inputs) and all-reduced partial sums: the
+    all-gather was modeled (225.8 KiB) and never run."""
+    out, rows = _table("cnn")
+    assert _mesh(rows, "cnn") == "{'batch': 8}", out.stdout                          # the premise
+    count, expressed, modeled, gap = rows[("cnn", "all-gather")][2:6]
+    assert int(count) == 1 and float(expressed) == pytest.approx(float(modeled), rel=0.02), out.stdout
+    assert out.returncode == 0, out.stdout                                           # no gap over 10% left

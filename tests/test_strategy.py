@@ -145,6 +145,17 @@ def test_planner_plan_matches_one_device(trained_on_planner_plan):
         np.testing.assert_allclose(variable.numpy(), want, rtol=1e-5, atol=1e-6, err_msg=f"{name}: {variable.name}")
 
 
+def test_batch_statistics_the_planner_computes_whole_train_as_one_device(trained_on_planner_plan):
+    """The CNN's plan on 8 virtual CPUs computes BatchNormalization's statistics from its input
+    gathered (one collective, not two partial-sum all-reduces): the layer's moments take their
+    input replicated (``statistics_input_relayout``), and the weights above equal one device's."""
+    name, strategy, *_ = trained_on_planner_plan
+    if name != "cnn_bn":
+        pytest.skip("the BatchNormalization model only")
+    assert [(a.change.name, a.target) for a in strategy.changes if a.change.name == "statistics_input_relayout"] \
+        == [("statistics_input_relayout", "bn_0")], strategy.plan.summary()
+
+
 def test_planner_layouts_are_the_variables_layouts(trained_on_planner_plan):
     """Every variable carries the plan's layout, as lowering adjusts it for DTensor."""
     _, strategy, model, *_ = trained_on_planner_plan

@@ -18,6 +18,9 @@ Each function changes layers of the model it is given and returns what it change
   call's place in the traced step, the same masks whatever the plan (``random_draws``).
 * ``input_relayout_hints``: once the plan exists, sharded Dense layers and convolutions take
   their input in the layout the plan priced (``relayout_layer_inputs``).
+* ``statistics_input_relayout``: once the plan exists, a tf-keras BatchNormalization whose batch
+  statistics the plan computes whole takes its moments' input replicated
+  (``relayout_statistics_inputs``).
 
 None changes the layer's math. Sparse (Embedding) gradients are densified in the variables
 instead (``tofu_tf.tf.variables.TofuVariable.scatter_add``).
@@ -280,6 +283,39 @@ def relayout_layer_inputs(model, kernel_specs, batch_axis, mesh) -> list[Applied
         layer.call = types.MethodType(hinted_call, layer)
         layer._tofu_hinted = True  # pylint: disable=protected-access
         hinted.append(Applied(change("input_relayout_hints"), path, detail))
+    return hinted
+
+
+def relayout_statistics_inputs(model, op_strategies, mesh) -> list[Applied]:
+    """Give each tf-keras BatchNormalization whose batch statistics the plan computes whole (its
+    ``moments/mean`` op "replicate" on every mesh axis) its moments' input replicated.
+
+    The plan may gather a normalization's input once and compute the mean and variance on every
+    device rather than all-reduce two partial sums: on a link that charges its latency per
+    collective (the CPU profile) one gather is the cheaper step. The lowering pins layouts at
+    layer inputs only, and inside the layer DTensor carries the input's batch split into the
+    moments and all-reduces their partial sums: not the plan. The relayout makes the gather the
+    plan priced explicit; the normalization itself still reads the input as it comes. The
+    change "statistics_input_relayout", one record per layer."""
+    from tensorflow.experimental import dtensor
+
+    hinted = []
+    for path, layer in keras_adapter.layer_paths(model):
+        if type(layer).__module__.split(".")[0] != "tf_keras" or not hasattr(layer, "_moments") \
+                or getattr(layer, "_tofu_statistics_hinted", False):
+            continue
+        suffix = f"{layer.name}/moments/mean"
+        found = [name for name in op_strategies if name == suffix or name.endswith("/" + suffix)]
+        if len(found) != 1 or any(strategy != "replicate" for strategy in op_strategies[found[0]]):
+            continue
+        moments = layer._moments  # pylint: disable=protected-access
+
+        def replicated_moments(inputs, reduction_axes, keep_dims, mask=None, moments=moments):
+            whole = dtensor.relayout(inputs, dtensor.Layout.replicated(mesh, rank=inputs.shape.rank))
+            return moments(whole, reduction_axes, keep_dims, mask=mask)
+        layer._moments = replicated_moments  # pylint: disable=protected-access
+        layer._tofu_statistics_hinted = True  # pylint: disable=protected-access
+        hinted.append(Applied(change("statistics_input_relayout"), path, "batch statistics from the input replicated"))
     return hinted
 
 

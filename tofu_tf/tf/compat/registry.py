@@ -150,6 +150,17 @@ CHANGES: tuple[Change, ...] = (
         scope=Scope.LAYER, undone=_LIFETIME,
         why="DTensor's MatMul and convolution expanders refuse an input layout they could convert",
         packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.layers"),
+    Change(
+        name="statistics_input_relayout",
+        replaces="a tf-keras BatchNormalization's _moments (on the instance, over the unfused path's own): its "
+                 "input relaid replicated before the batch statistics, where the plan computes them whole",
+        targets=("tf_keras.layers:BatchNormalization._moments",),
+        scope=Scope.LAYER, undone=_LIFETIME,
+        why="the lowering pins layouts at layer inputs only: inside the layer DTensor carried the batch split of "
+            "its input into the moments and all-reduced their partial sums, where the plan (on a link that "
+            "charges latency per collective) priced one gather of the input, so the step was not the plan "
+            "(bench/executed.py: the CNN's 225.8 KiB all-gather modeled, none run)",
+        packages=("tf-keras",), site="tofu_tf.tf.compat.layers"),
     # -- per model --------------------------------------------------------------------------------
     Change(
         name="step_functions",
