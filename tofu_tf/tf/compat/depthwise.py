@@ -69,22 +69,7 @@ def rewrite_depthwise(path: str, layer) -> Applied | None:
 def grouped_gradients_run(dtype=tf.float32) -> bool:
     """Whether this process can compute a grouped convolution's input gradient in ``dtype``: on a
     GPU (cuDNN), or on a CPU whose kernels are oneDNN's (float32, bfloat16)."""
-    return _grouped_gradients_run(tf.as_dtype(dtype).name)
-
-
-@functools.lru_cache(maxsize=None)
-def _grouped_gradients_run(dtype: str) -> bool:
-    """``grouped_gradients_run``, probed once per dtype, eagerly, outside any function."""
-    if tf.config.list_logical_devices("GPU"):
-        return True
-    with tf.init_scope(), tf.device("/CPU:0"):
-        try:
-            tf.raw_ops.Conv2DBackpropInput(input_sizes=[1, 2, 2, 2], filter=tf.ones((1, 1, 1, 2), dtype),
-                                           out_backprop=tf.ones((1, 2, 2, 2), dtype), strides=[1, 1, 1, 1],
-                                           padding="SAME")
-        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.NotFoundError):
-            return False
-    return True
+    return windows.conv_gradients_run(dtype, grouped=True)
 
 
 def _rewritable(layer) -> bool:
@@ -115,15 +100,8 @@ def depthwise_conv(inputs, kernel, *, strides, padding: str, dilation_rate):
     return conv(inputs, kernel, strides=strides, padding=padding, dilation_rate=dilation_rate)
 
 
-def _keras3_depthwise_conv():
-    import sys
-    if "keras" not in sys.modules:
-        return None
-    from keras.src.backend.tensorflow import nn as keras_nn
-    return keras_nn, "depthwise_conv"
-
-
-_DEPTHWISE_OP = patching.ThreadScopedPatch(change("depthwise_op_as_grouped_conv"), _keras3_depthwise_conv)
+_DEPTHWISE_OP = patching.ThreadScopedPatch(change("depthwise_op_as_grouped_conv"),
+                                           functools.partial(windows.keras3_tf_nn, "depthwise_conv"))
 
 
 def grouped_depthwise_op(original, inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1):
@@ -149,7 +127,7 @@ def grouped_depthwise_op(original, inputs, kernel, strides=1, padding="valid", d
 def depthwise_ops_as_grouped() -> Iterator[None]:
     """While active, this thread's Keras 3 ``ops.depthwise_conv`` computes a grouped convolution
     (``grouped_depthwise_op``). Without Keras 3 imported, nothing changes."""
-    if _keras3_depthwise_conv() is None:
+    if windows.keras3_tf_nn("depthwise_conv") is None:
         yield
         return
     with _DEPTHWISE_OP.active(grouped_depthwise_op):

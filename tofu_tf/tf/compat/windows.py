@@ -147,30 +147,40 @@ def conv_by_taps(inputs, kernel, *, strides, padding: str, dilation_rate):
                      for (i, j), tap in window_taps(inputs, kernel.shape[:2], strides, padding, dilation_rate)])
 
 
+def conv_gradients_run(dtype, *, grouped: bool = False, dilated: bool = False) -> bool:
+    """Whether this process computes the input gradient of a ``Conv2D`` in ``dtype`` (grouped, or
+    dilated): on a GPU; on a CPU where oneDNN's kernels have it (float32, bfloat16), since
+    TensorFlow's own have neither grouped nor dilated gradients."""
+    return _conv_gradients_run(tf.as_dtype(dtype).name, grouped, dilated)
+
+
 @functools.lru_cache(maxsize=None)
-def _dilated_gradients_run(dtype: str) -> bool:
-    """Whether this process computes a dilated ``Conv2D``'s input gradient in ``dtype`` (a GPU; CPU
-    float32 through oneDNN). Probed once per dtype, eagerly, outside any function."""
+def _conv_gradients_run(dtype: str, grouped: bool, dilated: bool) -> bool:
+    """``conv_gradients_run``, probed once per case on tiny tensors, eagerly, outside any function."""
     if tf.config.list_logical_devices("GPU"):
         return True
+    channels = 2 if grouped else 1          # 2 input channels through a filter of depth 1: two groups
     with tf.init_scope(), tf.device("/CPU:0"):
         try:
-            tf.raw_ops.Conv2DBackpropInput(input_sizes=[1, 3, 3, 1], filter=tf.ones((2, 2, 1, 1), dtype),
-                                           out_backprop=tf.ones((1, 3, 3, 1), dtype), strides=[1, 1, 1, 1],
-                                           padding="SAME", dilations=[1, 2, 2, 1])
+            tf.raw_ops.Conv2DBackpropInput(
+                input_sizes=[1, 3, 3, channels], filter=tf.ones((2, 2, 1, channels), dtype),
+                out_backprop=tf.ones((1, 3, 3, channels), dtype), strides=[1, 1, 1, 1], padding="SAME",
+                dilations=[1, 2, 2, 1] if dilated else [1, 1, 1, 1])
         except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.NotFoundError):
             return False
     return True
 
 
-def _keras3_conv():
+def keras3_tf_nn(name: str):
+    """(Keras 3's TensorFlow backend ``nn`` module, ``name``): what a thread-scoped patch of one of its
+    functions replaces; None where Keras 3 is not imported (nothing to patch)."""
     if "keras" not in sys.modules:
         return None
     from keras.src.backend.tensorflow import nn as keras_nn
-    return keras_nn, "conv"
+    return keras_nn, name
 
 
-_DILATED_CONV = patching.ThreadScopedPatch(change("dilated_conv_in_conv2d"), _keras3_conv)
+_DILATED_CONV = patching.ThreadScopedPatch(change("dilated_conv_in_conv2d"), functools.partial(keras3_tf_nn, "conv"))
 
 
 def dilated_conv(original, inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1):
@@ -185,7 +195,7 @@ def dilated_conv(original, inputs, kernel, strides=1, padding="valid", data_form
             or layout != "channels_last" or None in kernel.shape or inputs.shape[-1] != kernel.shape[-2]):
         return original(inputs, kernel, strides=strides, padding=padding, data_format=data_format,
                         dilation_rate=dilation_rate)
-    if _dilated_gradients_run(inputs.dtype.name):
+    if conv_gradients_run(inputs.dtype, dilated=True):
         return tf.nn.conv2d(inputs, kernel, strides=1, padding=padding.upper(), dilations=(1, *dilation_2, 1))
     if None in inputs.shape[1:3]:
         return original(inputs, kernel, strides=strides, padding=padding, data_format=data_format,
@@ -197,7 +207,7 @@ def dilated_conv(original, inputs, kernel, strides=1, padding="valid", data_form
 def dilated_convs_in_conv2d() -> Iterator[None]:
     """While active, this thread's Keras 3 ``ops.conv`` computes a dilated 2-D convolution as one
     ``Conv2D`` (``dilated_conv``). Without Keras 3 imported, nothing changes."""
-    if _keras3_conv() is None:
+    if keras3_tf_nn("conv") is None:
         yield
         return
     with _DILATED_CONV.active(dilated_conv):
