@@ -118,6 +118,22 @@ def _task(task_name, backbone, **kwargs):
     return cls(backbone=backbone, preprocessor=None, **_no_dropout(cls, kwargs))
 
 
+def _gemma3n_lm(backbone):
+    """Gemma 3n's causal LM, its tied head read at call time.
+
+    keras-hub's ``Gemma3nCausalLM`` builds its logits with ``language_model.token_embedding(hidden,
+    reverse=True)`` on the symbolic output, and that method multiplies by the embedding *variable*
+    outside any layer: Keras computes the transpose eagerly and the functional graph keeps the
+    table's values at construction as a constant. Its head then neither trains nor follows
+    ``set_weights`` (two builds given the same weights predicted differently, in float64 too; the
+    logits match the construction-time table to 1e-7), so it could not be compared with one device.
+    The same method called inside a layer's call reads the variable each step."""
+    import keras
+    head = keras.layers.Lambda(lambda hidden: backbone.language_model.token_embedding(hidden, reverse=True),
+                               name="tied_logits")
+    return keras.Model(backbone.input, head(backbone.output))
+
+
 # -- builders by kind ------------------------------------------------------------------------------
 
 def _at(value, w):
@@ -251,7 +267,7 @@ _SWEEP = [
                                               num_query_heads=4, num_key_value_heads=2, hidden_dim=_w,
                                               intermediate_dim=_mlp, head_dim=_hd, sliding_window_size=SEQ,
                                               sliding_window_pattern=2)),
-    Sweep("gemma3n", "Gemma3nBackbone", lambda w: _task("Gemma3nCausalLM", _make(
+    Sweep("gemma3n", "Gemma3nBackbone", lambda w: _gemma3n_lm(_make(
         "Gemma3nBackbone", text_vocab_size=VOCAB, text_hidden_size=w, num_hidden_layers=2, pad_token_id=0,
         num_attention_heads=4, num_key_value_heads=2, head_dim=w // 4, intermediate_size=[2 * w, 2 * w],
         hidden_activation="gelu", layer_types=["sliding_attention", "full_attention"],

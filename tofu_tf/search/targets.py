@@ -165,8 +165,9 @@ DEDUPLICATED_SPARSE_GRADIENT = "deduplicated_sparse_gradient"
 _DEDUPLICATED = re.compile(r"(^|/)" + DEDUPLICATED_SPARSE_GRADIENT + r"(_\d+)?$")
 # Op types TofuStrategy's layer changes take out of Keras' own layers before it plans
 # (``tofu_tf.tf.compat.layers``): fused normalizations (batch_norm_unfused, layer_norm_unfused),
-# AvgPoolGrad (average_pool_as_mean), an RNN's TensorList loop (rnn_unrolled), tf-keras'
-# stateful dropout (dropout_step_seeded), depthwise convolutions (depthwise_as_grouped_conv).
+# AvgPoolGrad (average_pool_as_mean, average_pool_as_window_sum), an RNN's TensorList loop
+# (rnn_unrolled), tf-keras' stateful dropout (dropout_step_seeded), depthwise convolutions
+# (depthwise_as_grouped_conv), Keras 3's dilated convolutions' SpaceToBatchND (dilated_conv_in_conv2d).
 # A step captured without the strategy (``plan_graph`` on a model of one's own) still holds
 # them, and is planned as the strategy would run it; the strategy's own check is strict
 # (``check_lowerable(..., exempt=frozenset())``): what remains there is a layer's own use.
@@ -367,18 +368,19 @@ _REMEDIES = {
                        "a tf.scan of static length itself), or compute the recurrence outside the training step",
     "DepthwiseConv2dNativeBackpropFilter": "use keras.layers.DepthwiseConv2D or SeparableConv2D, or "
                                            "keras.ops.depthwise_conv (channels_last; TofuStrategy runs "
-                                           "them as grouped convolutions, where the CPU has oneDNN's grouped "
-                                           "gradients: leave TF_ENABLE_ONEDNN_OPTS on, or train on GPUs), or a "
-                                           "grouped keras.layers.Conv2D (groups=channels)",
-    "SpaceToBatchND": "use keras.layers.Conv2D/DepthwiseConv2D with dilation_rate (TofuStrategy runs their "
-                      "dilation in the convolution itself)",
+                                           "them as grouped convolutions, or as sums of strided slices where "
+                                           "the device has no grouped gradients), or a grouped "
+                                           "keras.layers.Conv2D (groups=channels)",
+    "SpaceToBatchND": "use Keras 3's keras.layers.Conv2D (stride 1) or DepthwiseConv2D with dilation_rate "
+                      "(TofuStrategy runs their dilation in the convolution itself)",
     "BatchMatMulV3": "train the float model and quantize it after training (int8 matmuls are for inference)",
     "SoftplusGrad": "write the activation with ops DTensor expands (tf.math.log1p(tf.exp(-abs(x))) + relu(x)) "
                     "or use another activation",
     "SoftsignGrad": "write the activation with ops DTensor expands (x / (1 + abs(x))) or use another activation",
     "MirrorPad": "pad with zeros (tf.pad mode CONSTANT) or concatenate slices",
     "FusedBatchNormV3": "use keras.layers.BatchNormalization (TofuStrategy runs it unfused)",
-    "AvgPoolGrad": "use non-overlapping keras.layers.AveragePooling2D (TofuStrategy runs it as a mean) or a mean",
+    "AvgPoolGrad": "use keras.layers.AveragePooling2D (channels_last: TofuStrategy runs it as a mean or a sum "
+                   "of strided slices) or a mean",
     "RandomUniform": "draw with a stateless op (tf.random.stateless_uniform, Keras 3 seed generators)",
 }
 _REMEDIES["DepthwiseConv2dNativeBackpropInput"] = _REMEDIES["DepthwiseConv2dNativeBackpropFilter"]

@@ -32,10 +32,13 @@ dilation above 1 (Keras 3 decomposes that case itself); the rest keep their call
 The layer's weights, config and saved form are unchanged.
 
 TensorFlow's CPU kernels for a grouped convolution's gradients are oneDNN's (on by default on
-x86); TensorFlow's own raise "Gradients for grouped convolutions are not supported on CPU"
-(``TF_ENABLE_ONEDNN_OPTS=0``). Where no GPU is visible and the CPU cannot compute them
-(``grouped_gradients_run``, probed once on two tiny tensors), the layers keep their call, and
-the strategy refuses the depthwise gradient before the first step, naming the layer.
+x86), in float32 (and bfloat16) only; TensorFlow's own raise "Gradients for grouped convolutions
+are not supported on CPU" (float64, or ``TF_ENABLE_ONEDNN_OPTS=0``). Where no GPU is visible and
+the CPU cannot compute them in the input's dtype (``grouped_gradients_run``, probed once per dtype
+on two tiny tensors), the rewritten call computes the depthwise convolution as a sum of strided
+slices instead (``tofu_tf.tf.compat.windows.depthwise_by_taps``: ops every dtype has), so a
+float64 model trains too: the float64 check of ``tofu_tf.strategies.hub_sweep`` failed inside
+TensorFlow on EfficientNet and MobileNetV3, and a CPU without oneDNN refused every depthwise layer.
 """
 
 from __future__ import annotations
@@ -46,9 +49,8 @@ import types
 from typing import Iterator
 
 import tensorflow as tf
-from absl import logging
 
-from tofu_tf.tf.compat import patching
+from tofu_tf.tf.compat import patching, windows
 from tofu_tf.tf.compat.registry import Applied, change
 
 DEPTHWISE_LAYERS = frozenset({"DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D"})
@@ -59,28 +61,15 @@ def rewrite_depthwise(path: str, layer) -> Applied | None:
     or separable convolution this module can rewrite; the record of the change, or None."""
     if not _rewritable(layer):
         return None
-    if not grouped_gradients_run():
-        logging.warning("TofuStrategy: %s: left a depthwise convolution: this CPU has no kernel for a grouped "
-                        "convolution's gradients (TF_ENABLE_ONEDNN_OPTS=0?)", path)
-        return None
     layer.call = types.MethodType(_grouped_call, layer)
     layer._tofu_grouped = True  # pylint: disable=protected-access
     return Applied(change("depthwise_as_grouped_conv"), path, "depthwise convolution as a grouped Conv2D")
 
 
-@functools.lru_cache(maxsize=1)
-def grouped_gradients_run() -> bool:
-    """Whether this process can compute a grouped convolution's input gradient: on a GPU (cuDNN),
-    or on a CPU whose kernels are oneDNN's. Probed once, eagerly, outside any function."""
-    if tf.config.list_logical_devices("GPU"):
-        return True
-    with tf.init_scope(), tf.device("/CPU:0"):
-        try:
-            tf.raw_ops.Conv2DBackpropInput(input_sizes=[1, 2, 2, 2], filter=tf.ones((1, 1, 1, 2)),
-                                           out_backprop=tf.ones((1, 2, 2, 2)), strides=[1, 1, 1, 1], padding="SAME")
-        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError):
-            return False
-    return True
+def grouped_gradients_run(dtype=tf.float32) -> bool:
+    """Whether this process can compute a grouped convolution's input gradient in ``dtype``: on a
+    GPU (cuDNN), or on a CPU whose kernels are oneDNN's (float32, bfloat16)."""
+    return windows.conv_gradients_run(dtype, grouped=True)
 
 
 def _rewritable(layer) -> bool:
@@ -104,46 +93,41 @@ def depthwise_as_grouped_conv(inputs, kernel, *, strides, padding: str, dilation
                         dilations=(1, *dilation_rate, 1))
 
 
-def _keras3_depthwise_conv():
-    import sys
-    if "keras" not in sys.modules:
-        return None
-    from keras.src.backend.tensorflow import nn as keras_nn
-    return keras_nn, "depthwise_conv"
+def depthwise_conv(inputs, kernel, *, strides, padding: str, dilation_rate):
+    """The depthwise convolution the rewritten calls compute: ``depthwise_as_grouped_conv`` where
+    grouped gradients run in the input's dtype, ``windows.depthwise_by_taps`` elsewhere."""
+    conv = depthwise_as_grouped_conv if grouped_gradients_run(inputs.dtype) else windows.depthwise_by_taps
+    return conv(inputs, kernel, strides=strides, padding=padding, dilation_rate=dilation_rate)
 
 
-_DEPTHWISE_OP = patching.ThreadScopedPatch(change("depthwise_op_as_grouped_conv"), _keras3_depthwise_conv)
-
-
-def _as_pair(value, n: int) -> tuple[int, ...] | None:
-    items = (value,) * n if isinstance(value, int) else tuple(value)
-    return items if len(items) == n and all(isinstance(i, int) for i in items) else None
+_DEPTHWISE_OP = patching.ThreadScopedPatch(change("depthwise_op_as_grouped_conv"),
+                                           functools.partial(windows.keras3_tf_nn, "depthwise_conv"))
 
 
 def grouped_depthwise_op(original, inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1):
-    """Keras 3's TensorFlow ``depthwise_conv`` as a grouped convolution (``channels_last``, 1-D or 2-D,
-    not both a stride and a dilation above 1, where grouped gradients run); ``original(...)`` otherwise."""
+    """Keras 3's TensorFlow ``depthwise_conv`` as ``depthwise_conv`` computes it (``channels_last``, 1-D
+    or 2-D, not both a stride and a dilation above 1, static filter); ``original(...)`` otherwise."""
     import keras
     inputs, kernel = tf.convert_to_tensor(inputs), tf.convert_to_tensor(kernel)
     n = (inputs.shape.rank or 0) - 2
-    strides_n, dilation_n = _as_pair(strides, n), _as_pair(dilation_rate, n)
+    strides_n, dilation_n = windows.as_tuple(strides, n), windows.as_tuple(dilation_rate, n)
     layout = data_format or keras.config.image_data_format()
     if (n not in (1, 2) or strides_n is None or dilation_n is None or layout != "channels_last"
-            or (max(strides_n) > 1 and max(dilation_n) > 1) or None in kernel.shape or not grouped_gradients_run()):
+            or (max(strides_n) > 1 and max(dilation_n) > 1) or None in kernel.shape):
         return original(inputs, kernel, strides=strides, padding=padding, data_format=data_format,
                         dilation_rate=dilation_rate)
     if n == 1:
-        outputs = depthwise_as_grouped_conv(tf.expand_dims(inputs, 1), tf.expand_dims(kernel, 0),
-                                            strides=(1, *strides_n), padding=padding, dilation_rate=(1, *dilation_n))
+        outputs = depthwise_conv(tf.expand_dims(inputs, 1), tf.expand_dims(kernel, 0),
+                                 strides=(1, *strides_n), padding=padding, dilation_rate=(1, *dilation_n))
         return tf.squeeze(outputs, 1)
-    return depthwise_as_grouped_conv(inputs, kernel, strides=strides_n, padding=padding, dilation_rate=dilation_n)
+    return depthwise_conv(inputs, kernel, strides=strides_n, padding=padding, dilation_rate=dilation_n)
 
 
 @contextlib.contextmanager
 def depthwise_ops_as_grouped() -> Iterator[None]:
     """While active, this thread's Keras 3 ``ops.depthwise_conv`` computes a grouped convolution
     (``grouped_depthwise_op``). Without Keras 3 imported, nothing changes."""
-    if _keras3_depthwise_conv() is None:
+    if windows.keras3_tf_nn("depthwise_conv") is None:
         yield
         return
     with _DEPTHWISE_OP.active(grouped_depthwise_op):
@@ -161,8 +145,7 @@ def _grouped_call(layer, inputs):
     if one_d:
         inputs, depthwise = tf.expand_dims(inputs, 1), tf.expand_dims(depthwise, 0)
         strides, dilation = (1, *strides), (1, *dilation)
-    outputs = depthwise_as_grouped_conv(inputs, depthwise, strides=strides, padding=layer.padding,
-                                        dilation_rate=dilation)
+    outputs = depthwise_conv(inputs, depthwise, strides=strides, padding=layer.padding, dilation_rate=dilation)
     pointwise = getattr(layer, "pointwise_kernel", None)
     if pointwise is not None:
         pointwise = tf.convert_to_tensor(pointwise)

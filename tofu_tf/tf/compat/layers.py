@@ -7,6 +7,8 @@ Each function changes layers of the model it is given and returns what it change
   LayerNormalization through ``FusedBatchNormV3``, which DTensor has no layout propagation
   for; the unfused formulation (moments + batch_normalization) computes the same.
 * ``average_pool_as_mean``: non-overlapping average pooling as reshape + mean (no ``AvgPoolGrad``).
+* ``average_pool_as_window_sum``: the other average pooling (overlapping windows, ``"same"``
+  padding) as a sum of strided slices over each window's count (``tofu_tf.tf.compat.windows``).
 * ``depthwise_as_grouped_conv``: depthwise and separable convolutions as grouped convolutions
   (``tofu_tf.tf.compat.depthwise``: no ``DepthwiseConv2dNativeBackpropFilter``).
 * ``rnn_unrolled``: Keras runs a recurrence as a ``While`` loop over a TensorList, which
@@ -35,7 +37,7 @@ import weakref
 import tensorflow as tf
 
 from tofu_tf.tf import keras_adapter
-from tofu_tf.tf.compat import depthwise
+from tofu_tf.tf.compat import depthwise, windows
 from tofu_tf.tf.compat.registry import Applied, change
 
 
@@ -57,6 +59,8 @@ def prepare_layers(model) -> list[Applied]:
         if kind in ("AveragePooling2D", "AvgPool2D") and _non_overlapping(layer):
             layer.call = types.MethodType(_mean_pool_2d, layer)
             changes.append(Applied(change("average_pool_as_mean"), path, "pooling as reshape+mean"))
+        elif (window_sum := windows.rewrite_average_pool(path, layer)) is not None:
+            changes.append(window_sum)
         grouped = depthwise.rewrite_depthwise(path, layer)
         if grouped is not None:
             changes.append(grouped)

@@ -112,9 +112,19 @@ CHANGES: tuple[Change, ...] = (
         why="DTensor has no layout propagation for AvgPoolGrad",
         packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.layers"),
     Change(
+        name="average_pool_as_window_sum",
+        replaces="AveragePooling2D.call (overlapping or SAME, channels_last) as a sum of the window's strided "
+                 "slices of the zero-padded input over each window's count of input positions",
+        targets=("tf_keras.layers:AveragePooling2D.call", "keras.layers:AveragePooling2D.call"),
+        scope=Scope.LAYER, undone=_LIFETIME,
+        why="DTensor has no layout propagation for AvgPoolGrad (InceptionV3's and NASNet's 3x3 stride-1 "
+            "poolings were refused); Pad, StridedSlice and their gradients it lays out",
+        packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.windows"),
+    Change(
         name="depthwise_as_grouped_conv",
         replaces="DepthwiseConv1D/2D and SeparableConv1D/2D call (channels_last) with the depthwise "
-                 "convolution as a grouped Conv2D (filter reshaped to (kh, kw, 1, C*m))",
+                 "convolution as a grouped Conv2D (filter reshaped to (kh, kw, 1, C*m)), or as a sum of strided "
+                 "slices where this process has no grouped-convolution gradients in the input's dtype (CPU float64)",
         targets=("tf_keras.layers:DepthwiseConv2D.call", "keras.layers:DepthwiseConv2D.call",
                  "tf_keras.layers:SeparableConv2D.call", "keras.layers:SeparableConv2D.call",
                  "tf_keras.layers:DepthwiseConv1D.call", "keras.layers:DepthwiseConv1D.call",
@@ -218,8 +228,8 @@ CHANGES: tuple[Change, ...] = (
     Change(
         name="new_axis_slices_spelled_out",
         replaces="the model's call, run under tensor_getitem_spelled_out (every layer it calls slices new axes "
-                 "with every axis named: t[:, None] as t[:, None, :]), tensor_arrays_as_lists, scans_unrolled and "
-                 "depthwise_op_as_grouped_conv",
+                 "with every axis named: t[:, None] as t[:, None, :]), tensor_arrays_as_lists, scans_unrolled, "
+                 "depthwise_op_as_grouped_conv and dilated_conv_in_conv2d",
         targets=("tf_keras:Model.call", "keras:Model.call"),
         scope=Scope.MODEL, undone=_LIFETIME,
         why="DTensor's StridedSlice layout inference reads the wrong axis for axes a spec leaves implicit after "
@@ -463,12 +473,22 @@ CHANGES: tuple[Change, ...] = (
     Change(
         name="depthwise_op_as_grouped_conv",
         replaces="Keras 3's TensorFlow backend depthwise_conv (the module function) while a prepared model's call "
-                 "runs: channels_last, 1-D or 2-D, as a grouped Conv2D (depthwise_as_grouped_conv's)",
+                 "runs: channels_last, 1-D or 2-D, as depthwise_as_grouped_conv computes it",
         targets=("keras.src.backend.tensorflow.nn:depthwise_conv",),
         scope=Scope.MODEL_CALL, undone="on return of the model's call, also on error; other threads see the original",
         why="DTensor has no layout propagation for DepthwiseConv2dNativeBackpropFilter/BackpropInput; a layer "
             "calls keras.ops.depthwise_conv itself (keras-hub Qwen3.5's gated delta net)",
         packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.depthwise"),
+    Change(
+        name="dilated_conv_in_conv2d",
+        replaces="Keras 3's TensorFlow backend conv (the module function) while a prepared model's call runs: a "
+                 "2-D channels_last stride-1 dilated convolution as one Conv2D with dilations (a sum of "
+                 "strided slices times the filter where the dilated gradients have no kernel in its dtype)",
+        targets=("keras.src.backend.tensorflow.nn:conv",),
+        scope=Scope.MODEL_CALL, undone="on return of the model's call, also on error; other threads see the original",
+        why="tf.nn.convolution computes a dilated convolution off TPU through SpaceToBatchND, which DTensor has "
+            "no layout propagation for (keras-hub DeepLabV3's atrous spatial pyramid pooling)",
+        packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.windows"),
     # -- process-wide ---------------------------------------------------------------------------
     Change(
         name="dtensor_all_reduces_uncombined",

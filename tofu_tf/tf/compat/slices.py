@@ -26,7 +26,7 @@ import types
 from typing import Iterator
 
 from tofu_tf.tf import variables as variables_lib
-from tofu_tf.tf.compat import depthwise, patching, scans, tensor_arrays
+from tofu_tf.tf.compat import depthwise, patching, scans, tensor_arrays, windows
 from tofu_tf.tf.compat.registry import Applied, change
 
 
@@ -53,8 +53,8 @@ def new_axes_spelled_out() -> Iterator[None]:
 
 def spell_out_new_axes(model) -> Applied | None:
     """Make ``model``'s call run under ``new_axes_spelled_out`` (and, for the same reason, under
-    ``tensor_arrays.tensor_arrays_as_lists``, ``scans.scans_unrolled`` and
-    ``depthwise.depthwise_ops_as_grouped``); the record, or None
+    ``tensor_arrays.tensor_arrays_as_lists``, ``scans.scans_unrolled``,
+    ``depthwise.depthwise_ops_as_grouped`` and ``windows.dilated_convs_in_conv2d``); the record, or None
     when it already does. Every layer the model calls is inside its call, so one wrap covers them."""
     if getattr(model, "_tofu_slices_spelled", False):
         return None
@@ -71,6 +71,6 @@ def _spelled_call(call):
     @functools.wraps(call)
     def spelled_call(self, *args, **kwargs):
         with new_axes_spelled_out(), tensor_arrays.tensor_arrays_as_lists(), scans.scans_unrolled(), \
-                depthwise.depthwise_ops_as_grouped():
+                depthwise.depthwise_ops_as_grouped(), windows.dilated_convs_in_conv2d():
             return func(self, *args, **kwargs) if func is not None else call(*args, **kwargs)
     return spelled_call

@@ -1,0 +1,163 @@
+"""Window ops as sums of strided slices (``tofu_tf.tf.compat.windows``): average pooling with
+overlapping windows or "same" padding, and depthwise convolutions in a dtype without grouped
+gradients, compute what one device computes and train under TofuStrategy.
+
+Before, InceptionV3 and NASNet (3x3 stride-1 "same" average pooling) were refused before their
+first step (DTensor has no layout propagation for ``AvgPoolGrad``), and a float64 depthwise
+convolution failed inside TensorFlow ("Gradients for grouped convolutions are not supported on CPU").
+"""
+
+import keras as keras3
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from tests import strategy_helpers as helpers
+from tofu_tf.tf.compat import depthwise, windows
+
+BATCH, STEPS = 8, 2
+
+
+def _value_and_gradients(fn, *tensors):
+    with tf.GradientTape() as tape:
+        tape.watch(tensors)
+        y = fn()
+        loss = tf.reduce_sum(y * y)
+    return (y, *tape.gradient(loss, list(tensors)))
+
+
+@pytest.mark.parametrize("pool, strides, padding", [
+    ((3, 3), (1, 1), "same"), ((3, 3), (2, 2), "valid"), ((3, 3), (2, 2), "same"), ((2, 3), (1, 2), "same"),
+    ((1, 1), (2, 2), "valid")])
+def test_a_window_sum_computes_tf_average_pooling(pool, strides, padding):
+    """Output and input gradient against ``tf.nn.avg_pool2d`` ("same": each border window divided by
+    the input positions it covers, as TensorFlow does), to float32 rounding."""
+    x = tf.constant(np.random.default_rng(0).normal(size=(2, 9, 10, 3)).astype("float32"))
+    want = _value_and_gradients(lambda: tf.nn.avg_pool2d(x, pool, strides, padding.upper()), x)
+    got = _value_and_gradients(lambda: windows.average_pool_2d(x, pool, strides, padding), x)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("strides, dilation, padding, multiplier", [
+    ((1, 1), (1, 1), "same", 1), ((2, 2), (1, 1), "same", 2), ((2, 2), (1, 1), "valid", 1),
+    ((1, 1), (2, 2), "same", 2)])
+def test_a_window_sum_computes_the_depthwise_convolution(dtype, strides, dilation, padding, multiplier):
+    """Output and both gradients against ``tf.nn.depthwise_conv2d``, in float64 too (TensorFlow's CPU
+    depthwise kernels have float64; its grouped-convolution gradients do not)."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(2, 9, 10, 3)).astype(dtype))
+    kernel = tf.constant(rng.normal(size=(3, 3, 3, multiplier)).astype(dtype))
+    want = _value_and_gradients(lambda: tf.nn.depthwise_conv2d(x, kernel, (1, *strides, 1), padding.upper(),
+                                                               dilations=dilation), x, kernel)
+    got = _value_and_gradients(lambda: windows.depthwise_by_taps(x, kernel, strides=strides, padding=padding,
+                                                                 dilation_rate=dilation), x, kernel)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=tol, atol=tol * np.abs(w.numpy()).max())
+
+
+def _pooling_model(keras):
+    """InceptionV3's branch pooling (3x3, stride 1, "same") and a strided overlapping one."""
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((9, 9, 4))
+    x = keras.layers.Conv2D(8, 3, padding="same", name="c1")(inputs)
+    x = keras.layers.AveragePooling2D((3, 3), strides=(1, 1), padding="same", name="branch_pool")(x)
+    x = keras.layers.AveragePooling2D((3, 3), strides=(2, 2), name="strided_pool")(keras.layers.ReLU()(x))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
+
+
+def _data(shape, dtype="float32"):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(BATCH * STEPS, *shape)).astype(dtype), rng.integers(0, 4, BATCH * STEPS).astype("int32")
+
+
+def _compile(keras, model):
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+@pytest.mark.parametrize("keras", [tf_keras, keras3], ids=["tf_keras", "keras3"])
+def test_overlapping_average_pooling_trains_as_one_device(keras):
+    x, y = _data((9, 9, 4))
+    strategy, model, reference = helpers.fit_beside_one_device(
+        lambda: _pooling_model(keras), lambda m: _compile(keras, m), x, y)
+    rewritten = sorted(a.target.rsplit("/", 1)[-1] for a in strategy.changes
+                       if a.change.name == "average_pool_as_window_sum")
+    assert rewritten == ["branch_pool", "strided_pool"]
+    np.testing.assert_allclose(model.predict(x[:13], batch_size=BATCH, verbose=0),
+                               reference.predict(x[:13], batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-5)
+
+
+def _depthwise_model():
+    tf_keras.utils.set_random_seed(7)
+    inputs = tf_keras.Input((8, 8, 4))
+    x = tf_keras.layers.DepthwiseConv2D(3, padding="same", depth_multiplier=2, name="dw")(inputs)
+    x = tf_keras.layers.SeparableConv2D(8, 3, strides=2, name="sep")(tf_keras.layers.ReLU()(x))
+    x = tf_keras.layers.GlobalAveragePooling2D()(x)
+    return tf_keras.Model(inputs, tf_keras.layers.Dense(4, name="head")(x))
+
+
+def test_a_float64_depthwise_model_trains_as_one_device():
+    """The sweep's float64 check of EfficientNet and MobileNetV3: the grouped form's gradients have
+    no float64 CPU kernel, so the rewritten layers sum strided slices; one device runs TensorFlow's
+    own float64 depthwise kernels. Equal to float64 rounding."""
+    assert not depthwise.grouped_gradients_run(tf.float64) or tf.config.list_logical_devices("GPU")
+    tf_keras.backend.set_floatx("float64")
+    try:
+        x, y = _data((8, 8, 4), "float64")
+        strategy, _, _ = helpers.fit_beside_one_device(_depthwise_model, lambda m: _compile(tf_keras, m), x, y,
+                                                       rtol=1e-10, atol=1e-12)
+    finally:
+        tf_keras.backend.set_floatx("float32")
+    assert sorted(a.target.rsplit("/", 1)[-1] for a in strategy.changes
+                  if a.change.name == "depthwise_as_grouped_conv") == ["dw", "sep"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dilation, padding", [(2, "same"), ((2, 3), "valid"), (1, "same")])
+def test_a_dilated_keras_conv_in_one_conv2d_is_keras_own(dtype, dilation, padding):
+    """Keras 3's ``ops.conv`` under ``dilated_convs_in_conv2d`` (one ``Conv2D`` with ``dilations``; in
+    float64, which has no dilated gradient kernels on CPU, ``conv_by_taps``) against its own
+    (``SpaceToBatchND`` around a convolution): output and both gradients."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(2, 11, 10, 3)).astype(dtype))
+    kernel = tf.constant(rng.normal(size=(3, 3, 3, 4)).astype(dtype))
+
+    def conv():
+        return keras3.ops.conv(x, kernel, padding=padding, dilation_rate=dilation)
+    want = _value_and_gradients(conv, x, kernel)
+    with windows.dilated_convs_in_conv2d():
+        got = _value_and_gradients(conv, x, kernel)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=tol, atol=tol * np.abs(w.numpy()).max())
+
+
+def _atrous_model():
+    """DeepLabV3's atrous spatial pyramid pooling in small: parallel 3x3 convolutions dilated 2 and 3."""
+    keras3.utils.set_random_seed(7)
+    inputs = keras3.Input((12, 12, 4))
+    x = keras3.layers.Conv2D(8, 3, padding="same", name="c1")(inputs)
+    branches = [keras3.layers.Conv2D(8, 3, padding="same", dilation_rate=rate, name=f"aspp_{rate}")(x)
+                for rate in (2, 3)]
+    x = keras3.layers.GlobalAveragePooling2D()(keras3.layers.Concatenate()(branches))
+    return keras3.Model(inputs, keras3.layers.Dense(4, name="head")(x))
+
+
+def test_dilated_convolutions_train_as_one_device():
+    """Before, the strategy refused the dilated convolutions' SpaceToBatchND before the first step."""
+    from keras.src.backend.tensorflow import nn as keras_nn
+    own = keras_nn.conv
+    x, y = _data((12, 12, 4))
+    _, model, reference = helpers.fit_beside_one_device(_atrous_model, lambda m: _compile(keras3, m), x, y,
+                                                        rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.predict(x[:13], batch_size=BATCH, verbose=0),
+                               reference.predict(x[:13], batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-5)
+    assert keras_nn.conv is own          # Keras' own outside the model's call
