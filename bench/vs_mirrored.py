@@ -43,6 +43,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from absl import app, flags  # noqa: E402
 
 from bench import compared_models  # noqa: E402
+from tofu_tf.strategies import step_measurement  # noqa: E402
 
 flags.DEFINE_list("models", [], "Models (default: every reference model and keras-hub family).")
 flags.DEFINE_integer("repeats", 5, "Fresh models per side; medians are reported.")
@@ -82,24 +83,6 @@ def _strategy(side):
     return tf.distribute.get_strategy()
 
 
-def _state_per_device(model, side, num_devices):
-    """The largest per-device bytes of weights and optimizer variables, as placed."""
-    per_device = 0
-    for variable in list(model.weights) + list(model.optimizer.variables):
-        value = getattr(variable, "value", variable)     # Keras 3 wraps a tf.Variable
-        if callable(value):                               # tf-keras's variables are tf.Variables
-            value = variable
-        nbytes = value.shape.num_elements() * value.dtype.size
-        shards = 1
-        layout = getattr(value, "layout", None) if side.startswith("tofu") else None
-        if layout is not None:
-            sizes = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
-            for axis in layout.sharding_specs:
-                shards *= sizes.get(axis, 1)
-        per_device += nbytes // shards
-    return per_device
-
-
 def _train(spec, side, x, y):
     """(steady step seconds, per-device state bytes, mesh or None) of one fresh model."""
     import keras
@@ -118,7 +101,7 @@ def _train(spec, side, x, y):
     model.fit(x, y, batch_size=FLAGS.batch_size, shuffle=False, verbose=0, callbacks=[StepEnds()])
     steps = [b - a for a, b in zip([start] + times, times)]
     plan = getattr(strategy, "plan", None) if side == "tofu" else None
-    return statistics.median(steps[2:]), _state_per_device(model, side, FLAGS.num_devices), plan
+    return statistics.median(steps[2:]), step_measurement.placed_state_bytes(model), plan
 
 
 def _peak_in_fresh_process(name, side):
