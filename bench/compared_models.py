@@ -66,3 +66,23 @@ def compile_for_training(model, optimizer="adam"):
     api = tf_keras if isinstance(model, tf_keras.Model) else keras
     model.compile(optimizer=optimizer, loss=api.losses.SparseCategoricalCrossentropy(from_logits=True))
     return api
+
+
+def synchronize_batch_norms(model) -> int:
+    """Makes every BatchNormalization layer of ``model`` (tf-keras or Keras 3) compute its batch
+    statistics over the global batch, as one device and TofuStrategy do; returns how many.
+
+    MirroredStrategy's default normalizes each replica's batch by its own statistics: a
+    different, cheaper step (no all-reduce in the forward and backward passes). Comparing step
+    times is fair only against the same computation, ``synchronized=True``. tf-keras decides
+    whether to use its fused kernel when the layer is built, and the fused kernel has no
+    synchronized form, so it is turned off too (as tf-keras's constructor does)."""
+    from tofu_tf.tf.keras_adapter import layer_paths
+    count = 0
+    for _, layer in layer_paths(model):
+        if "BatchNormalization" in type(layer).__name__ and hasattr(layer, "synchronized"):
+            layer.synchronized = True
+            if getattr(layer, "fused", False):
+                layer.fused = False
+            count += 1
+    return count

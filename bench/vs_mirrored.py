@@ -17,14 +17,22 @@ CPUs (or ``--num_devices`` GPUs):
   count). TF's per-device allocator statistics are not read: on CPU they need
   ``TF_CPU_ALLOCATOR_USE_BFC``, under which DTensor misbehaves.
 * ``tofu dp``: ``TofuStrategy(method="data_parallel")``, the plan MirroredStrategy runs, which
-  should cost no more than MirroredStrategy's step; ``tofu``: the strategy's own plan (mesh in
+  should cost no more than MirroredStrategy's step computing the same thing. For a model with
+  BatchNormalization that is ``sync mirr``: MirroredStrategy with every BatchNormalization
+  ``synchronized`` (statistics over the global batch, what one device and TofuStrategy compute);
+  its default normalizes each replica's slice by its own statistics, a cheaper, different step.
+  ``dp/same`` is the ratio against that side where the model has one, else against ``mirrored``; ``tofu``: the strategy's own plan (mesh in
   the last column). A plan measured slower than data parallel is listed after the table: the
   hardware profile ranked it first, and the gap is the cost model's.
 
-    python bench/vs_mirrored.py [--models=mlp,cnn,gpt2] [--repeats=5] [--memory]
+* ``--profile``: after the table's repeats, one more fit of each model under MirroredStrategy and
+  under TofuStrategy's data parallel runs under TensorFlow's profiler, and the op types whose
+  kernels' CPU time differs most between them are printed (``bench/step_profile.py``).
+
+    python bench/vs_mirrored.py [--models=mlp,cnn,gpt2] [--repeats=5] [--memory] [--profile]
 
 Exits non-zero when TofuStrategy's data-parallel steady step is over ``--dp_limit`` times
-MirroredStrategy's.
+MirroredStrategy's computing the same step (``dp/same``).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +51,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from bench import compared_models  # noqa: E402
+from bench import compared_models, step_profile  # noqa: E402
 from tofu_tf.strategies import step_measurement  # noqa: E402
 
 flags.DEFINE_list("models", [], "Models (default: every reference model and keras-hub family).")
@@ -51,13 +60,16 @@ flags.DEFINE_integer("steps", 8, "Steps in the measured fit (one epoch).")
 flags.DEFINE_integer("batch_size", 16, "Global batch size.")
 flags.DEFINE_integer("num_devices", 8, "Devices (virtual CPUs when no GPU is visible).")
 flags.DEFINE_bool("memory", False, "Also measure each side's peak process memory in a fresh process.")
+flags.DEFINE_bool("profile", False, "Also profile MirroredStrategy's and TofuStrategy's data-parallel step "
+                  "and print where their kernels' time differs.")
 flags.DEFINE_float("dp_limit", 1.05, "Largest TofuStrategy/MirroredStrategy steady ratio allowed where the "
                    "plan is data parallel.")
 flags.DEFINE_string("run_model", None, "Internal: train --run_model under --run_side once and print JSON.")
 flags.DEFINE_string("run_side", None, "Internal: 'mirrored', 'tofu' or 'one'.")
 FLAGS = flags.FLAGS
 
-SIDES = ("mirrored", "tofu_dp", "tofu", "one")
+SIDES = ("mirrored", "mirrored_sync", "tofu_dp", "tofu", "one")
+MEMORY_SIDES = ("mirrored", "tofu_dp", "tofu", "one")
 
 
 _MIRRORED = []
@@ -68,9 +80,9 @@ def _strategy(side):
     process reuses its collective instance keys, and its all-reduces meet the first's."""
     import tensorflow as tf
     from tofu_tf.strategies import TofuStrategy
-    if side == "mirrored" and _MIRRORED:
+    if side.startswith("mirrored") and _MIRRORED:
         return _MIRRORED[0]
-    if side == "mirrored":
+    if side.startswith("mirrored"):
         devices = [d.name for d in tf.config.list_logical_devices("GPU")][:FLAGS.num_devices]
         if len(devices) < FLAGS.num_devices:
             devices = [d.name for d in tf.config.list_logical_devices("CPU")][:FLAGS.num_devices]
@@ -83,14 +95,17 @@ def _strategy(side):
     return tf.distribute.get_strategy()
 
 
-def _train(spec, side, x, y):
-    """(steady step seconds, per-device state bytes, mesh or None) of one fresh model."""
+def _train(spec, side, x, y, profile_dir=None):
+    """(steady step seconds, per-device state bytes, mesh or None, op times or None) of one fresh
+    model; the op times of one more epoch under the profiler when ``profile_dir`` is given."""
     import keras
     times = []
     strategy = _strategy(side)
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = spec.build()
+        if side == "mirrored_sync":
+            compared_models.synchronize_batch_norms(model)
         api = compared_models.compile_for_training(model)
 
     class StepEnds(api.callbacks.Callback):
@@ -101,7 +116,17 @@ def _train(spec, side, x, y):
     model.fit(x, y, batch_size=FLAGS.batch_size, shuffle=False, verbose=0, callbacks=[StepEnds()])
     steps = [b - a for a, b in zip([start] + times, times)]
     plan = getattr(strategy, "plan", None) if side == "tofu" else None
-    return statistics.median(steps[2:]), step_measurement.placed_state_bytes(model), plan
+    op_times = None
+    if profile_dir:
+        op_times = step_profile.profile_fit(model, x, y, batch_size=FLAGS.batch_size, logdir=profile_dir)
+    return statistics.median(steps[2:]), step_measurement.placed_state_bytes(model), plan, op_times
+
+
+def _batch_norms(spec) -> int:
+    """How many BatchNormalization layers the model has (built once on one device)."""
+    import keras
+    keras.utils.set_random_seed(0)
+    return compared_models.synchronize_batch_norms(spec.build())
 
 
 def _peak_in_fresh_process(name, side):
@@ -164,48 +189,61 @@ def main(argv):
         return
     specs = compared_models.all_models()
     names = FLAGS.models or list(specs)
-    print(f"{'model':<9}{'mirrored ms':>12}{'tofu dp ms':>11}{'tofu ms':>9}{'1 dev ms':>9}{'dp/mirr':>8}"
+    print(f"{'model':<9}{'mirrored ms':>12}{'sync mirr':>10}{'tofu dp ms':>11}{'tofu ms':>9}{'1 dev ms':>9}{'dp/mirr':>8}{'dp/same':>8}"
           f"{'tofu/mirr':>10}{'tofu/1dev':>10}{'state/dev KiB m|t':>19}"
           + (f"{'peak MiB m|dp|t|1':>19}" if FLAGS.memory else "") + "  plan")
-    over, misranked = [], []
+    over, misranked, profiles = [], [], {}
     for name in names:
         spec = specs[name]
         x, y = spec.data(FLAGS.batch_size * FLAGS.steps)
-        steady = {side: [] for side in SIDES}
-        ratios = {"dp": [], "tofu": [], "one": []}
+        synchronized = _batch_norms(spec) > 0
+        sides = [side for side in SIDES if synchronized or side != "mirrored_sync"]
+        same = "mirrored_sync" if synchronized else "mirrored"
+        steady = {side: [] for side in sides}
+        ratios = {"dp": [], "same": [], "tofu": [], "one": []}
         state = {}
         plan = None
         for _ in range(FLAGS.repeats):
-            for side in SIDES:
-                seconds, state[side], side_plan = _train(spec, side, x, y)
+            for side in sides:
+                seconds, state[side], side_plan, _ = _train(spec, side, x, y)
                 steady[side].append(seconds)
                 plan = side_plan or plan
             ratios["dp"].append(steady["tofu_dp"][-1] / steady["mirrored"][-1])
+            ratios["same"].append(steady["tofu_dp"][-1] / steady[same][-1])
             ratios["tofu"].append(steady["tofu"][-1] / steady["mirrored"][-1])
             ratios["one"].append(steady["tofu"][-1] / steady["one"][-1])
-        ms = {side: statistics.median(steady[side]) * 1e3 for side in SIDES}
+        ms = {side: statistics.median(steady[side]) * 1e3 for side in sides}
         ratio = {key: statistics.median(values) for key, values in ratios.items()}
-        dp_ratio = ratio["dp"]
-        if dp_ratio > FLAGS.dp_limit:
-            over.append(f"{name}: {dp_ratio:.2f}x")
+        if ratio["same"] > FLAGS.dp_limit:
+            over.append(f"{name}: {ratio['same']:.2f}x")
         if ms["tofu"] > FLAGS.dp_limit * ms["tofu_dp"]:
             misranked.append(f"{name} ({plan.mesh_shape}: {ms['tofu'] / ms['tofu_dp']:.2f}x data parallel's step)")
         peaks = ""
         if FLAGS.memory:
-            peaks = "|".join(f"{_peak_in_fresh_process(name, side):.0f}" for side in SIDES)
-        print(f"{name:<9}{ms['mirrored']:>12.1f}{ms['tofu_dp']:>11.1f}{ms['tofu']:>9.1f}{ms['one']:>9.1f}"
-              f"{dp_ratio:>8.2f}{ratio['tofu']:>10.2f}{ratio['one']:>10.2f}"
+            peaks = "|".join(f"{_peak_in_fresh_process(name, side):.0f}" for side in MEMORY_SIDES)
+        if FLAGS.profile:
+            profiles[name] = {side: _train(spec, side, x, y, profile_dir=tempfile.mkdtemp(prefix="vs_mirrored_"))[3]
+                              for side in (same, "tofu_dp")}
+        sync_ms = f"{ms['mirrored_sync']:>10.1f}" if synchronized else f"{'-':>10}"
+        print(f"{name:<9}{ms['mirrored']:>12.1f}{sync_ms}{ms['tofu_dp']:>11.1f}{ms['tofu']:>9.1f}{ms['one']:>9.1f}"
+              f"{ratio['dp']:>8.2f}{ratio['same']:>8.2f}{ratio['tofu']:>10.2f}{ratio['one']:>10.2f}"
               f"{state['mirrored'] / 1024:>10.0f}|{state['tofu'] / 1024:<8.0f}"
               + (f"{peaks:>19}" if FLAGS.memory else "") + f"  {plan.mesh_shape}", flush=True)
     print(f"medians of {FLAGS.repeats} fresh models per side, sides interleaved; tofu dp: TofuStrategy("
-          f"method='data_parallel'); tofu: TofuStrategy's own plan; ratios: medians of each repeat's ratio of "
+          f"method='data_parallel'); sync mirr: MirroredStrategy with synchronized BatchNormalization (models "
+          f"with one); dp/same: tofu dp over the MirroredStrategy side computing the same step; tofu: "
+          f"TofuStrategy's own plan; ratios: medians of each repeat's ratio of "
           f"steady steps; state/dev: weights + "
           f"optimizer slots per device as placed (MirroredStrategy | TofuStrategy's plan).")
+    for name, sides_times in profiles.items():
+        print(f"\n{name}: kernels' CPU time per step, every device (bench/step_profile.py)")
+        print(step_profile.table(sides_times))
     if misranked:
         print("plans slower than data parallel measured (the hardware profile ranked them first): "
               + ", ".join(misranked))
     if over:
-        print(f"TofuStrategy's data parallel slower than {FLAGS.dp_limit}x MirroredStrategy: {', '.join(over)}")
+        print(f"TofuStrategy's data parallel slower than {FLAGS.dp_limit}x MirroredStrategy computing the same "
+              f"step: {', '.join(over)}")
         sys.exit(1)
 
 
