@@ -222,8 +222,10 @@ def main(argv):
         if FLAGS.memory:
             peaks = "|".join(f"{_peak_in_fresh_process(name, side):.0f}" for side in MEMORY_SIDES)
         if FLAGS.profile:
-            profiles[name] = {side: _train(spec, side, x, y, profile_dir=tempfile.mkdtemp(prefix="vs_mirrored_"))[3]
-                              for side in (same, "tofu_dp")}
+            profiles[name] = {}
+            for side in (same, "tofu_dp"):
+                with tempfile.TemporaryDirectory(prefix="vs_mirrored_") as trace_dir:
+                    profiles[name][side] = _train(spec, side, x, y, profile_dir=trace_dir)[3]
         sync_ms = f"{ms['mirrored_sync']:>10.1f}" if synchronized else f"{'-':>10}"
         print(f"{name:<9}{ms['mirrored']:>12.1f}{sync_ms}{ms['tofu_dp']:>11.1f}{ms['tofu']:>9.1f}{ms['one']:>9.1f}"
               f"{ratio['dp']:>8.2f}{ratio['same']:>8.2f}{ratio['tofu']:>10.2f}{ratio['one']:>10.2f}"
