@@ -63,13 +63,15 @@ def optimizers_of(model) -> list:
 def prepare_optimizers(optimizers, strategy) -> list:
     """What the strategy does to a compiled optimizer, done to each of a custom step's
     (``tofu_tf.tf.compat.optimizers``): a tf-keras one made before the scope adopted, slots made as
-    shards, gradients relaid to their variables' layouts, moving averages kept. The records of
+    shards, gradients relaid to their variables' layouts, a legacy optimizer's sparse updates rewritten,
+    moving averages kept. The records of
     what changed (None where nothing did)."""
     changes = []
     for optimizer in optimizers:
         changes += [compat_optimizers.adopt_optimizer(optimizer, strategy),
                     compat_optimizers.defer_slot_zeros(optimizer),
                     compat_optimizers.relayout_gradients(optimizer),
+                    compat_optimizers.sparse_updates_dense(optimizer),
                     compat_optimizers.update_moving_averages(optimizer)]
     return changes
 

@@ -137,15 +137,60 @@ def test_a_legacy_loss_scale_optimizer_trains_an_embedding_as_on_one_device(mixe
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
 
 
-def test_a_legacy_loss_scale_optimizer_over_momentum_names_the_wrapped_optimizer(mixed_float16):
-    """Momentum decays every row, the sparse update only the gathered ones: still refused, now
-    naming the SGD inside the wrapper and the new optimizer to use (was: 'LossScaleOptimizer
-    (tf_keras.optimizers.legacy)' and tf_keras.optimizers.LossScaleOptimizer)."""
+SPARSE_OPTIMIZERS = {
+    "rmsprop": lambda: keras.optimizers.legacy.RMSprop(0.01),
+    "rmsprop_centered_momentum": lambda: keras.optimizers.legacy.RMSprop(0.01, momentum=0.5, centered=True),
+    "sgd_momentum": lambda: keras.optimizers.legacy.SGD(0.5, momentum=0.9),
+    "adam": lambda: keras.optimizers.legacy.Adam(0.01),
+    "nadam": lambda: keras.optimizers.legacy.Nadam(0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPARSE_OPTIMIZERS))
+def test_a_legacy_optimizer_updates_an_embedding_row_for_row_as_on_one_device(name):
+    """tf-keras's mirrored_strategy_test trains an Embedding with legacy RMSprop. Was refused
+    ("its dense update would move rows the sparse one leaves alone"): the sparse update runs on the
+    variable's handle (ResourceScatterAdd, ResourceSparseApplyRMSProp ...), which DTensor cannot run.
+    Now rewritten (``legacy_sparse_updates_dense``): losses, weights and every slot as one device,
+    and the rows no batch names (14..19) untouched."""
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 14, (64, 10)).astype("int32"), rng.integers(0, 2, 64).astype("int32")
+    reference = _embedding_model(SPARSE_OPTIMIZERS[name]())
+    initial = reference.get_weights()
+    expected = reference.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"]
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = _embedding_model(SPARSE_OPTIMIZERS[name]())
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"]
+    assert "legacy_sparse_updates_dense" in [applied.change.name for applied in strategy.changes]
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    embedding = model.get_weights()[0]
+    assert np.abs(embedding[:14] - initial[0][:14]).min(axis=1).max() > 0     # the rows named moved
+    np.testing.assert_array_equal(embedding[14:], initial[0][14:])
+    slots = [(got, want) for got, want in zip(model.optimizer.variables(), reference.optimizer.variables())
+             if want.shape.rank]
+    assert slots and all(got.shape == want.shape for got, want in slots)
+    for got, want in slots:
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_a_legacy_loss_scale_optimizer_over_momentum_trains_an_embedding_as_on_one_device(mixed_float16):
+    """Was refused (momentum decays every row under a dense update, the sparse one only the
+    gathered ones), naming the SGD inside the wrapper. Its fused sparse update is now its dense
+    update with the untouched rows put back: trains as one device."""
     del mixed_float16
-    x, y = np.zeros((16, 10), "int32"), np.zeros(16, "int32")
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 20, (64, 10)).astype("int32"), rng.integers(0, 2, 64).astype("int32")
+    reference = _embedding_model(keras.optimizers.legacy.SGD(0.5, momentum=0.9))
+    initial = reference.get_weights()
+    expected = reference.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"]
     with TofuStrategy(8).scope():
         model = _embedding_model(keras.optimizers.legacy.SGD(0.5, momentum=0.9))
-    with pytest.raises(NotImplementedError, match=r"SGD \(tf_keras.optimizers.legacy\) \(wrapped in a "
-                                                  r"LossScaleOptimizer\).*Use the new optimizer, tf_keras.optimizers."
-                                                  r"SGD \(wrapped in tf_keras.mixed_precision.LossScaleOptimizer\)"):
-        model.fit(x, y, batch_size=16, verbose=0)
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected, rtol=1e-3)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)

@@ -496,42 +496,6 @@ def build_legacy_optimizer(optimizer, variables) -> None:
         optimizer._create_all_weights(list(variables))     # pylint: disable=protected-access
 
 
-def legacy_dense_gradient(optimizer, gradient, variable):
-    """A legacy optimizer's sparse (Embedding) gradient as the dense one it equals, or an error.
-
-    A legacy optimizer updates a sparse gradient through ``ResourceScatterAdd`` or a fused
-    sparse op on the variable's handle, which DTensor cannot run. Where the dense update of
-    the densified gradient is the same update (plain SGD: zero rows move nothing; Adagrad:
-    a zero row adds nothing to its accumulator and takes no step), the gradient is
-    densified. Elsewhere the sparse update touches only the gathered rows while the dense
-    one would move every row (momentum and running averages decay): refused, naming the
-    weight and the optimizer to use.
-    """
-    if not isinstance(gradient, tf.IndexedSlices) or not is_legacy_optimizer(optimizer):
-        return gradient
-    import tf_keras
-    legacy = tf_keras.optimizers.legacy
-    # A legacy LossScaleOptimizer (itself a legacy optimizer) applies the gradients it is given,
-    # finite ones unchanged, with the optimizer it wraps: that one's update decides.
-    wrapper = None
-    while isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer) and is_legacy_optimizer(
-            optimizer.inner_optimizer):
-        wrapper, optimizer = optimizer, optimizer.inner_optimizer
-    exact = (isinstance(optimizer, legacy.SGD) and not optimizer._momentum  # pylint: disable=protected-access
-             or isinstance(optimizer, legacy.Adagrad))
-    if not exact:
-        name = type(optimizer).__name__
-        through = "" if wrapper is None else f" (wrapped in a {type(wrapper).__name__})"
-        instead = f"tf_keras.optimizers.{name}" + ("" if wrapper is None else
-                                                   " (wrapped in tf_keras.mixed_precision.LossScaleOptimizer)")
-        raise NotImplementedError(
-            f"TofuStrategy: {name} (tf_keras.optimizers.legacy){through} updates "
-            f"{variable_path(variable)!r} from a sparse (Embedding) gradient with an op DTensor cannot run, "
-            f"and its dense update would move rows the sparse one leaves alone. Use the new optimizer, "
-            f"{instead}, which DTensor runs.")
-    return tf.convert_to_tensor(gradient)
-
-
 def apply_gradients_for_capture(optimizer, grads_and_vars):
     """``optimizer.apply_gradients(grads_and_vars)`` as capture traces it: one device's update.
 

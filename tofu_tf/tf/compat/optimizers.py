@@ -7,7 +7,9 @@ None where the optimizer needs none:
 * ``adopt_optimizer``: ``optimizer_adopted``, a tf-keras optimizer made before ``strategy.scope()``;
 * ``defer_slot_zeros``: ``slot_zeros_deferred``, tf-keras slots made as shards;
 * ``relayout_gradients``: ``gradients_relaid``, each dense gradient in its variable's layout;
-* ``update_moving_averages``: ``ema_after_update``, tf-keras ``use_ema`` averages kept.
+* ``update_moving_averages``: ``ema_after_update``, tf-keras ``use_ema`` averages kept;
+* ``sparse_updates_dense``: ``legacy_sparse_updates_dense``, a legacy optimizer's sparse updates in
+  ops DTensor runs (``tofu_tf.tf.compat.legacy_sparse``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tofu_tf.tf import keras_adapter
+from tofu_tf.tf.compat import legacy_sparse
+from tofu_tf.tf.compat.legacy_sparse import sparse_updates_dense  # noqa: F401  (one of this module's changes)
 from tofu_tf.tf.compat.registry import Applied, change
 
 
@@ -168,7 +172,7 @@ def relayout_gradients(optimizer) -> Applied | None:
         apply_gradients = optimizer.apply_gradients
 
         def apply_gradients_in_variable_layouts(grads_and_vars, *args, **kwargs):
-            pairs = [(relaid(keras_adapter.legacy_dense_gradient(optimizer, g, v), v), v) for g, v in grads_and_vars]
+            pairs = [(relaid(legacy_sparse.sparse_gradient_for_update(optimizer, g, v), v), v) for g, v in grads_and_vars]
             return apply_gradients(pairs, *args, **kwargs)
         optimizer.apply_gradients = apply_gradients_in_variable_layouts
     else:

@@ -265,6 +265,21 @@ CHANGES: tuple[Change, ...] = (
             "expander refuses (EmitAllScatter ... not more sharded)",
         packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.optimizers"),
     Change(
+        name="legacy_sparse_updates_dense",
+        replaces="a legacy tf-keras optimizer's _resource_scatter_add/_resource_scatter_update (as assigns of "
+                 "dense rows) and, for SGD and RMSprop with momentum, _resource_apply_sparse (its dense update, "
+                 "the untouched rows of the weight and its slots put back), on the instance",
+        targets=("tf_keras.src.optimizers.legacy.optimizer_v2:OptimizerV2._resource_scatter_add",
+                 "tf_keras.src.optimizers.legacy.optimizer_v2:OptimizerV2._resource_scatter_update",
+                 "tf_keras.src.optimizers.legacy.optimizer_v2:OptimizerV2._resource_apply_dense",
+                 "tf_keras.optimizers.legacy:SGD._resource_apply_sparse",
+                 "tf_keras.optimizers.legacy:RMSprop._resource_apply_sparse"),
+        scope=Scope.OPTIMIZER, undone=_LIFETIME,
+        why="DTensor runs neither ResourceScatterAdd/Update nor the fused sparse updates "
+            "(ResourceSparseApplyKerasMomentum, ResourceSparseApplyRMSProp), and a densified gradient's "
+            "update would move rows the sparse one leaves alone: an Embedding under legacy RMSprop was refused",
+        packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.compat.legacy_sparse"),
+    Change(
         name="ema_after_update",
         replaces="a tf-keras use_ema optimizer's _internal_apply_gradients, updating the moving "
                  "averages after the base update",
