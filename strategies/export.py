@@ -33,8 +33,10 @@ puts on the model (``keras_hooks.prepare_for_dtensor`` installs them; the change
 
 What this cannot redirect: a signature the user traced on the strategy's model
 itself (``signatures=model.call.get_concrete_function(...)``) captures its DTensor
-variables; TF refuses it as an untracked resource. Trace such signatures on
-``one_device_copy(model)`` instead. A SavedModel that would hold a DTensor
+variables, and a concrete function keeps no Python function to trace again on the copy.
+tf-keras ``model.save(dir, signatures=...)`` refuses such a signature with
+``DTensorExportError`` naming it (``refuse_signatures_on_the_mesh``; TF's own refusal names an
+"untracked" resource); trace it on ``one_device_copy(model)`` and save that copy with it. A SavedModel that would hold a DTensor
 variable anyway (a Keras 3 ``ExportArchive`` tracking the model directly) stops
 with ``tofu_tf.tf.variables.DTensorExportError``, which says the same.
 
@@ -90,9 +92,37 @@ def _save_from_copy(model, save):
         save_format = kwargs.get("save_format", args[1] if len(args) > 1 else None)
         if saving_api.get_save_format(filepath, save_format) != "tf":
             return save(filepath, *args, **kwargs)
+        refuse_signatures_on_the_mesh(model, kwargs.get("signatures"))
         return one_device_copy(model).save(filepath, *args, **kwargs)
     save_from_copy.__wrapped__ = save
     return save_from_copy
+
+
+def refuse_signatures_on_the_mesh(model, signatures) -> None:
+    """Refuse SavedModel ``signatures`` traced on ``model`` itself, naming the way that works.
+
+    A signature the user traced (``serve_fn.get_concrete_function(spec)`` over a function that
+    calls the model) reads the model's DTensor variables through the mesh's ops, and a concrete
+    function keeps no Python function to trace again on the one-device copy. TF's own refusal
+    comes later and names an 'untracked' resource (the variables, or the first lookup table it
+    meets), not the model; this names the signature and the fix."""
+    if signatures is None:
+        return
+    named = signatures.items() if isinstance(signatures, dict) else [("serving_default", signatures)]
+    handles = {id(keras_adapter.backing_variable(v).handle) for v in model.variables}
+    for name, signature in named:
+        concrete = signature if hasattr(signature, "captured_inputs") else None
+        if concrete is None and hasattr(signature, "get_concrete_function"):
+            try:
+                concrete = signature.get_concrete_function()
+            except (TypeError, ValueError):   # a tf.function without an input_signature: TF refuses it itself
+                continue
+        if concrete is not None and any(id(t) in handles for t in concrete.captured_inputs):
+            raise DTensorExportError(
+                f"SavedModel signature {name!r} was traced on {model.name!r} as TofuStrategy lays it out (it reads "
+                "the model's variables on the DTensor mesh), so no one-device runtime could run it. Trace it on "
+                "copy = tofu_tf.one_device_copy(model) (the same weights on the host) and save that copy with it: "
+                "copy.save(dir, signatures=...). model.save(dir) without signatures= saves the copy by itself.")
 
 
 def _children_for(children):

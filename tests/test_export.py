@@ -142,6 +142,28 @@ def test_tf_keras_tf_saved_model_save_serves_on_one_device(tf_keras_model, tmp_p
     assert checkpoint_keys(tmp_path / "in_scope") == checkpoint_keys(tmp_path / "direct")
 
 
+def test_a_signature_traced_on_the_mesh_is_refused_naming_the_copy_that_serves(tf_keras_model, tmp_path):
+    """tf-keras's mirrored_strategy_test saves a serving signature it traced itself (a tf.function
+    calling the model). Traced on the strategy's model it reads the mesh's variables; before, the
+    save failed with TF's AssertionError about an 'untracked' resource, naming neither the signature
+    nor the way out. Refused naming both; the way it names serves on one device."""
+    _, model, x = tf_keras_model
+
+    def signature_of(net):
+        @tf.function(input_signature=[tf.TensorSpec((None, 16), tf.float32, name="features")])
+        def serve_fn(features):
+            return {"logits": net(features)}
+        return serve_fn.get_concrete_function()
+
+    with pytest.raises(export_lib.DTensorExportError, match=r"signature 'serving_default' was traced on .*"
+                                                            r"tofu_tf.one_device_copy\(model\)"):
+        model.save(str(tmp_path / "refused"), signatures=signature_of(model))
+    copy = export_lib.one_device_copy(model)
+    copy.save(str(tmp_path / "copy"), signatures=signature_of(copy))
+    np.testing.assert_allclose(serve(tmp_path / "copy", x, tmp_path), model.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_tf_keras_save_without_optimizer(tf_keras_model, tmp_path):
     """include_optimizer=False, through model.save and through keras.models.save_model
     (which reaches the model's SavedModel children, not its save method)."""
