@@ -140,24 +140,46 @@ def test_a_dilated_keras_conv_in_one_conv2d_is_keras_own(dtype, dilation, paddin
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=tol, atol=tol * np.abs(w.numpy()).max())
 
 
-def _atrous_model():
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dilation, padding", [(2, "same"), ((2, 3), "valid")])
+def test_a_dilated_tf_keras_conv2d_in_one_conv2d_is_its_own(dtype, dilation, padding):
+    """A tf-keras ``Conv2D`` layer under ``dilated_convs_in_conv2d`` (its ``convolution_op`` as one
+    ``Conv2D`` with ``dilations``, or ``conv_by_taps`` in float64) against its own
+    (``tf.nn.convolution``: ``SpaceToBatchND`` around a convolution): output and both gradients."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(2, 11, 10, 3)).astype(dtype))
+    layer = tf_keras.layers.Conv2D(4, 3, padding=padding, dilation_rate=dilation, use_bias=False, dtype=dtype)
+    layer.build(x.shape)
+    want = _value_and_gradients(lambda: layer(x), x, layer.kernel)
+    with windows.dilated_convs_in_conv2d():
+        got = _value_and_gradients(lambda: layer(x), x, layer.kernel)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=tol, atol=tol * np.abs(w.numpy()).max())
+
+
+def _atrous_model(keras):
     """DeepLabV3's atrous spatial pyramid pooling in small: parallel 3x3 convolutions dilated 2 and 3."""
-    keras3.utils.set_random_seed(7)
-    inputs = keras3.Input((12, 12, 4))
-    x = keras3.layers.Conv2D(8, 3, padding="same", name="c1")(inputs)
-    branches = [keras3.layers.Conv2D(8, 3, padding="same", dilation_rate=rate, name=f"aspp_{rate}")(x)
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((12, 12, 4))
+    x = keras.layers.Conv2D(8, 3, padding="same", name="c1")(inputs)
+    branches = [keras.layers.Conv2D(8, 3, padding="same", dilation_rate=rate, name=f"aspp_{rate}")(x)
                 for rate in (2, 3)]
-    x = keras3.layers.GlobalAveragePooling2D()(keras3.layers.Concatenate()(branches))
-    return keras3.Model(inputs, keras3.layers.Dense(4, name="head")(x))
+    x = keras.layers.GlobalAveragePooling2D()(keras.layers.Concatenate()(branches))
+    return keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
 
 
-def test_dilated_convolutions_train_as_one_device():
-    """Before, the strategy refused the dilated convolutions' SpaceToBatchND before the first step."""
+@pytest.mark.parametrize("keras", [tf_keras, keras3], ids=["tf_keras", "keras3"])
+def test_dilated_convolutions_train_as_one_device(keras):
+    """Before, the strategy refused the dilated convolutions' SpaceToBatchND before the first step
+    (Keras 3: keras-hub DeepLabV3; tf-keras: any Conv2D(dilation_rate=2))."""
     from keras.src.backend.tensorflow import nn as keras_nn
-    own = keras_nn.conv
+    from tf_keras.src.layers.convolutional import base_conv
+    own, own_op = keras_nn.conv, base_conv.Conv.convolution_op
     x, y = _data((12, 12, 4))
-    _, model, reference = helpers.fit_beside_one_device(_atrous_model, lambda m: _compile(keras3, m), x, y,
-                                                        rtol=1e-5, atol=1e-6)
+    _, model, reference = helpers.fit_beside_one_device(lambda: _atrous_model(keras), lambda m: _compile(keras, m),
+                                                        x, y, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(model.predict(x[:13], batch_size=BATCH, verbose=0),
                                reference.predict(x[:13], batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-5)
-    assert keras_nn.conv is own          # Keras' own outside the model's call
+    assert keras_nn.conv is own and base_conv.Conv.convolution_op is own_op   # the frameworks' own outside the call

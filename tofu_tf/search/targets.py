@@ -167,7 +167,7 @@ _DEDUPLICATED = re.compile(r"(^|/)" + DEDUPLICATED_SPARSE_GRADIENT + r"(_\d+)?$"
 # (``tofu_tf.tf.compat.layers``): fused normalizations (batch_norm_unfused, layer_norm_unfused),
 # AvgPoolGrad (average_pool_as_mean, average_pool_as_window_sum), an RNN's TensorList loop
 # (rnn_unrolled), tf-keras' stateful dropout (dropout_step_seeded), depthwise convolutions
-# (depthwise_as_grouped_conv), Keras 3's dilated convolutions' SpaceToBatchND (dilated_conv_in_conv2d).
+# (depthwise_as_grouped_conv), Keras 3's and tf-keras's dilated convolutions' SpaceToBatchND (dilated_conv_in_conv2d).
 # A step captured without the strategy (``plan_graph`` on a model of one's own) still holds
 # them, and is planned as the strategy would run it; the strategy's own check is strict
 # (``check_lowerable(..., exempt=frozenset())``): what remains there is a layer's own use.
@@ -371,8 +371,8 @@ _REMEDIES = {
                                            "them as grouped convolutions, or as sums of strided slices where "
                                            "the device has no grouped gradients), or a grouped "
                                            "keras.layers.Conv2D (groups=channels)",
-    "SpaceToBatchND": "use Keras 3's keras.layers.Conv2D (stride 1) or DepthwiseConv2D with dilation_rate "
-                      "(TofuStrategy runs their dilation in the convolution itself)",
+    "SpaceToBatchND": "use a Keras Conv2D (Keras 3 or tf-keras, stride 1, channels_last) or DepthwiseConv2D "
+                      "with dilation_rate (TofuStrategy runs their dilation in the convolution itself)",
     "BatchMatMulV3": "train the float model and quantize it after training (int8 matmuls are for inference)",
     "SoftplusGrad": "write the activation with ops DTensor expands (tf.math.log1p(tf.exp(-abs(x))) + relu(x)) "
                     "or use another activation",

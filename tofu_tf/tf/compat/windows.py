@@ -23,12 +23,13 @@ dtype (CPU float64: the float64 check of ``tofu_tf.strategies.hub_sweep`` could 
 EfficientNet or MobileNetV3; CPU without oneDNN).
 
 "dilated_conv_in_conv2d": while a model the strategy prepared is called (as
-"depthwise_op_as_grouped_conv", ``tofu_tf.tf.compat.slices``), Keras 3's TensorFlow ``conv`` computes
-a 2-D ``channels_last`` stride-1 dilated convolution as one ``Conv2D`` op with ``dilations``
-(``dilated_conv``). Why: ``tf.nn.convolution`` computes a dilated convolution off TPU as
+"depthwise_op_as_grouped_conv", ``tofu_tf.tf.compat.slices``), Keras 3's TensorFlow ``conv``
+(``dilated_conv``) and tf-keras's convolution layers (``Conv.convolution_op``,
+``dilated_tf_keras_conv``) compute a 2-D ``channels_last`` stride-1 dilated convolution as one
+``Conv2D`` op with ``dilations``. Why: ``tf.nn.convolution`` computes a dilated convolution off TPU as
 ``SpaceToBatchND``, a plain convolution and ``BatchToSpaceND``, and DTensor has no layout
-propagation for ``SpaceToBatchND``: keras-hub's DeepLabV3 (atrous spatial pyramid pooling) was
-refused. ``Conv2D`` with ``dilations`` computes the same (forward bit for bit on one CPU) and DTensor
+propagation for ``SpaceToBatchND``: keras-hub's DeepLabV3 (atrous spatial pyramid pooling) and a
+tf-keras ``Conv2D(dilation_rate=2)`` were refused. ``Conv2D`` with ``dilations`` computes the same (forward bit for bit on one CPU) and DTensor
 lays it out as any convolution. TensorFlow's CPU has its gradients in float32 only (oneDNN's:
 "Current CPU implementations do not yet support dilation rates larger than 1" in float64); in
 another dtype the convolution is the sum over the window's offsets of each offset's slice times
@@ -180,35 +181,75 @@ def keras3_tf_nn(name: str):
     return keras_nn, name
 
 
+def tf_keras_conv_op():
+    """(tf-keras's base ``Conv`` class, ``"convolution_op"``): what a thread-scoped patch replaces;
+    None where tf-keras is not imported (nothing to patch)."""
+    if "tf_keras" not in sys.modules:
+        return None
+    from tf_keras.src.layers.convolutional import base_conv
+    return base_conv.Conv, "convolution_op"
+
+
 _DILATED_CONV = patching.ThreadScopedPatch(change("dilated_conv_in_conv2d"), functools.partial(keras3_tf_nn, "conv"))
+_DILATED_TF_KERAS_CONV = patching.ThreadScopedPatch(change("dilated_conv_in_conv2d"), tf_keras_conv_op)
+
+
+def _conv2d_dilated(inputs, kernel, padding: str, dilation_2: tuple[int, int]):
+    """A 2-D ``channels_last`` stride-1 dilated convolution as one ``Conv2D`` with ``dilations``
+    (``conv_by_taps`` where this process has no dilated gradients in the input's dtype); None where
+    neither applies (a dynamic spatial size without dilated gradient kernels)."""
+    if conv_gradients_run(inputs.dtype, dilated=True):
+        return tf.nn.conv2d(inputs, kernel, strides=1, padding=padding.upper(), dilations=(1, *dilation_2, 1))
+    if None in inputs.shape[1:3]:
+        return None
+    return conv_by_taps(inputs, kernel, strides=(1, 1), padding=padding.lower(), dilation_rate=dilation_2)
+
+
+def _dilated_2d(inputs, kernel, strides_2, dilation_2, padding, channels_last: bool) -> bool:
+    """Whether ``_conv2d_dilated`` computes this convolution: 2-D, ``channels_last``, stride 1, dilated,
+    one group, a static filter and ``"valid"``/``"same"`` padding."""
+    return (inputs.shape.rank == 4 and strides_2 == (1, 1) and dilation_2 is not None and max(dilation_2) > 1
+            and channels_last and isinstance(padding, str) and padding.lower() in ("valid", "same")
+            and None not in kernel.shape and inputs.shape[-1] == kernel.shape[-2])
 
 
 def dilated_conv(original, inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1):
     """Keras 3's TensorFlow ``conv``, for a 2-D ``channels_last`` stride-1 dilated convolution (not
-    grouped, static filter), as one ``Conv2D`` with ``dilations`` (``conv_by_taps`` where this process
-    has no dilated gradients in the input's dtype); ``original(...)`` for any other convolution."""
+    grouped, static filter), as ``_conv2d_dilated``; ``original(...)`` for any other convolution."""
     import keras
     inputs, kernel = tf.convert_to_tensor(inputs), tf.convert_to_tensor(kernel)
-    strides_2, dilation_2 = as_tuple(strides, 2), as_tuple(dilation_rate, 2)
+    dilation_2 = as_tuple(dilation_rate, 2)
     layout = data_format or keras.config.image_data_format()
-    if (inputs.shape.rank != 4 or strides_2 != (1, 1) or dilation_2 is None or max(dilation_2) == 1
-            or layout != "channels_last" or None in kernel.shape or inputs.shape[-1] != kernel.shape[-2]):
+    computed = None
+    if _dilated_2d(inputs, kernel, as_tuple(strides, 2), dilation_2, padding, layout == "channels_last"):
+        computed = _conv2d_dilated(inputs, kernel, padding, dilation_2)
+    if computed is None:
         return original(inputs, kernel, strides=strides, padding=padding, data_format=data_format,
                         dilation_rate=dilation_rate)
-    if conv_gradients_run(inputs.dtype, dilated=True):
-        return tf.nn.conv2d(inputs, kernel, strides=1, padding=padding.upper(), dilations=(1, *dilation_2, 1))
-    if None in inputs.shape[1:3]:
-        return original(inputs, kernel, strides=strides, padding=padding, data_format=data_format,
-                        dilation_rate=dilation_rate)
-    return conv_by_taps(inputs, kernel, strides=strides_2, padding=padding, dilation_rate=dilation_2)
+    return computed
+
+
+def dilated_tf_keras_conv(original, layer, inputs, kernel):
+    """tf-keras ``Conv.convolution_op`` (``Conv2D``, which computes a dilated convolution through
+    ``tf.nn.convolution``'s ``SpaceToBatchND``), for a 2-D ``channels_last`` stride-1 dilated
+    convolution of one group, as ``_conv2d_dilated``; ``original(layer, ...)`` for any other."""
+    inputs, kernel = tf.convert_to_tensor(inputs), tf.convert_to_tensor(kernel)
+    computed = None
+    if layer.rank == 2 and layer.groups == 1 and _dilated_2d(
+            inputs, kernel, tuple(layer.strides), tuple(layer.dilation_rate), layer.padding,
+            layer.data_format == "channels_last"):
+        computed = _conv2d_dilated(inputs, kernel, layer.padding, tuple(layer.dilation_rate))
+    return original(layer, inputs, kernel) if computed is None else computed
 
 
 @contextlib.contextmanager
 def dilated_convs_in_conv2d() -> Iterator[None]:
-    """While active, this thread's Keras 3 ``ops.conv`` computes a dilated 2-D convolution as one
-    ``Conv2D`` (``dilated_conv``). Without Keras 3 imported, nothing changes."""
-    if keras3_tf_nn("conv") is None:
-        yield
-        return
-    with _DILATED_CONV.active(dilated_conv):
+    """While active, this thread's Keras 3 ``ops.conv`` (``dilated_conv``) and tf-keras
+    convolution layers (``dilated_tf_keras_conv``) compute a dilated 2-D convolution as one
+    ``Conv2D``. A framework not imported is left alone."""
+    with contextlib.ExitStack() as stack:
+        if keras3_tf_nn("conv") is not None:
+            stack.enter_context(_DILATED_CONV.active(dilated_conv))
+        if tf_keras_conv_op() is not None:
+            stack.enter_context(_DILATED_TF_KERAS_CONV.active(dilated_tf_keras_conv))
         yield
