@@ -27,6 +27,14 @@ def _value_and_gradients(fn, *tensors):
     return (y, *tape.gradient(loss, list(tensors)))
 
 
+def _assert_equal_to_rounding(got, want, dtype):
+    """Each tensor of ``got`` equal to ``want``'s, same shape and dtype, to ``dtype``'s rounding."""
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=tol, atol=tol * np.abs(w.numpy()).max())
+
+
 @pytest.mark.parametrize("pool, strides, padding", [
     ((3, 3), (1, 1), "same"), ((3, 3), (2, 2), "valid"), ((3, 3), (2, 2), "same"), ((2, 3), (1, 2), "same"),
     ((1, 1), (2, 2), "valid")])
@@ -55,10 +63,7 @@ def test_a_window_sum_computes_the_depthwise_convolution(dtype, strides, dilatio
                                                                dilations=dilation), x, kernel)
     got = _value_and_gradients(lambda: windows.depthwise_by_taps(x, kernel, strides=strides, padding=padding,
                                                                  dilation_rate=dilation), x, kernel)
-    tol = 1e-5 if dtype == "float32" else 1e-12
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=tol, atol=tol * np.abs(w.numpy()).max())
+    _assert_equal_to_rounding(got, want, dtype)
 
 
 def _pooling_model(keras):
@@ -134,10 +139,7 @@ def test_a_dilated_keras_conv_in_one_conv2d_is_keras_own(dtype, dilation, paddin
     want = _value_and_gradients(conv, x, kernel)
     with windows.dilated_convs_in_conv2d():
         got = _value_and_gradients(conv, x, kernel)
-    tol = 1e-5 if dtype == "float32" else 1e-12
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=tol, atol=tol * np.abs(w.numpy()).max())
+    _assert_equal_to_rounding(got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -153,10 +155,7 @@ def test_a_dilated_tf_keras_conv2d_in_one_conv2d_is_its_own(dtype, dilation, pad
     want = _value_and_gradients(lambda: layer(x), x, layer.kernel)
     with windows.dilated_convs_in_conv2d():
         got = _value_and_gradients(lambda: layer(x), x, layer.kernel)
-    tol = 1e-5 if dtype == "float32" else 1e-12
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=tol, atol=tol * np.abs(w.numpy()).max())
+    _assert_equal_to_rounding(got, want, dtype)
 
 
 def _atrous_model(keras):
