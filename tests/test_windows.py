@@ -143,19 +143,34 @@ def test_a_dilated_keras_conv_in_one_conv2d_is_keras_own(dtype, dilation, paddin
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("dilation, padding", [(2, "same"), ((2, 3), "valid")])
-def test_a_dilated_tf_keras_conv2d_in_one_conv2d_is_its_own(dtype, dilation, padding):
-    """A tf-keras ``Conv2D`` layer under ``dilated_convs_in_conv2d`` (its ``convolution_op`` as one
-    ``Conv2D`` with ``dilations``, or ``conv_by_taps`` in float64) against its own
-    (``tf.nn.convolution``: ``SpaceToBatchND`` around a convolution): output and both gradients."""
+@pytest.mark.parametrize("keras", [tf_keras, keras3], ids=["tf_keras", "keras3"])
+@pytest.mark.parametrize("rank, dilation, padding", [
+    (2, 2, "same"), (2, (2, 3), "valid"), (1, 2, "causal"), (1, 3, "same"), (1, 2, "valid")])
+def test_a_dilated_conv_layer_in_one_conv2d_is_its_own(dtype, keras, rank, dilation, padding):
+    """A ``Conv1D``/``Conv2D`` layer under ``dilated_convs_in_conv2d`` (tf-keras: its ``convolution_op``;
+    Keras 3: ``ops.conv``; as one ``Conv2D`` with ``dilations``, a 1-D one of height 1, or
+    ``conv_by_taps`` in float64) against its own (``tf.nn.convolution``: ``SpaceToBatchND`` around a
+    convolution): output and both gradients."""
     rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=(2, 11, 10, 3)).astype(dtype))
-    layer = tf_keras.layers.Conv2D(4, 3, padding=padding, dilation_rate=dilation, use_bias=False, dtype=dtype)
+    x = tf.constant(rng.normal(size=(2, 11, 10, 3)[:rank + 1] + (3,)).astype(dtype))
+    conv = keras.layers.Conv2D if rank == 2 else keras.layers.Conv1D
+    layer = conv(4, 3, padding=padding, dilation_rate=dilation, use_bias=False, dtype=dtype)
     layer.build(x.shape)
-    want = _value_and_gradients(lambda: layer(x), x, layer.kernel)
+    kernel = layer.kernel.value if keras is keras3 else layer.kernel     # Keras 3 wraps the tf.Variable
+    want = _value_and_gradients(lambda: layer(x), x, kernel)
     with windows.dilated_convs_in_conv2d():
-        got = _value_and_gradients(lambda: layer(x), x, layer.kernel)
+        got = _value_and_gradients(lambda: layer(x), x, kernel)
     _assert_equal_to_rounding(got, want, dtype)
+
+
+def _causal_dilated_model(keras):
+    """A temporal convolution network in small (WaveNet's stack): causal Conv1Ds dilated 1, 2, 4."""
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((16, 4))
+    x = inputs
+    for rate in (1, 2, 4):
+        x = keras.layers.Conv1D(8, 3, padding="causal", dilation_rate=rate, activation="relu", name=f"tcn_{rate}")(x)
+    return keras.Model(inputs, keras.layers.Dense(4, name="head")(keras.layers.GlobalAveragePooling1D()(x)))
 
 
 def _atrous_model(keras):
@@ -170,14 +185,17 @@ def _atrous_model(keras):
 
 
 @pytest.mark.parametrize("keras", [tf_keras, keras3], ids=["tf_keras", "keras3"])
-def test_dilated_convolutions_train_as_one_device(keras):
+@pytest.mark.parametrize("build, shape", [(_atrous_model, (12, 12, 4)), (_causal_dilated_model, (16, 4))],
+                         ids=["atrous_2d", "causal_1d"])
+def test_dilated_convolutions_train_as_one_device(keras, build, shape):
     """Before, the strategy refused the dilated convolutions' SpaceToBatchND before the first step
-    (Keras 3: keras-hub DeepLabV3; tf-keras: any Conv2D(dilation_rate=2))."""
+    (Keras 3: keras-hub DeepLabV3; tf-keras: any Conv2D(dilation_rate=2); both: a causal dilated
+    Conv1D)."""
     from keras.src.backend.tensorflow import nn as keras_nn
     from tf_keras.src.layers.convolutional import base_conv
     own, own_op = keras_nn.conv, base_conv.Conv.convolution_op
-    x, y = _data((12, 12, 4))
-    _, model, reference = helpers.fit_beside_one_device(lambda: _atrous_model(keras), lambda m: _compile(keras, m),
+    x, y = _data(shape)
+    _, model, reference = helpers.fit_beside_one_device(lambda: build(keras), lambda m: _compile(keras, m),
                                                         x, y, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(model.predict(x[:13], batch_size=BATCH, verbose=0),
                                reference.predict(x[:13], batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-5)

@@ -497,14 +497,14 @@ CHANGES: tuple[Change, ...] = (
     Change(
         name="dilated_conv_in_conv2d",
         replaces="Keras 3's TensorFlow backend conv (the module function) and tf-keras Conv.convolution_op (on the "
-                 "class) while a prepared model's call runs: a 2-D channels_last stride-1 dilated convolution as "
-                 "one Conv2D with dilations (a sum of strided slices times the filter where the dilated gradients "
+                 "class) while a prepared model's call runs: a 1-D or 2-D channels_last stride-1 dilated "
+                 "convolution as one Conv2D with dilations (a sum of strided slices times the filter where the dilated gradients "
                  "have no kernel in its dtype)",
         targets=("keras.src.backend.tensorflow.nn:conv", "tf_keras.src.layers.convolutional.base_conv:Conv.convolution_op"),
         scope=Scope.MODEL_CALL, undone="on return of the model's call, also on error; other threads see the original",
         why="tf.nn.convolution computes a dilated convolution off TPU through SpaceToBatchND, which DTensor has "
             "no layout propagation for (keras-hub DeepLabV3's atrous spatial pyramid pooling; a tf-keras "
-            "Conv2D(dilation_rate=2))",
+            "Conv2D(dilation_rate=2); a causal dilated Conv1D)",
         packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.windows"),
     # -- process-wide ---------------------------------------------------------------------------
     Change(

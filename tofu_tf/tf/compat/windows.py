@@ -25,12 +25,14 @@ EfficientNet or MobileNetV3; CPU without oneDNN).
 "dilated_conv_in_conv2d": while a model the strategy prepared is called (as
 "depthwise_op_as_grouped_conv", ``tofu_tf.tf.compat.slices``), Keras 3's TensorFlow ``conv``
 (``dilated_conv``) and tf-keras's convolution layers (``Conv.convolution_op``,
-``dilated_tf_keras_conv``) compute a 2-D ``channels_last`` stride-1 dilated convolution as one
-``Conv2D`` op with ``dilations``. Why: ``tf.nn.convolution`` computes a dilated convolution off TPU as
+``dilated_tf_keras_conv``) compute a 1-D or 2-D ``channels_last`` stride-1 dilated convolution as
+one ``Conv2D`` op with ``dilations`` (a 1-D one as the 2-D one of height 1). Why:
+``tf.nn.convolution`` computes a dilated convolution off TPU as
 ``SpaceToBatchND``, a plain convolution and ``BatchToSpaceND``, and DTensor has no layout
-propagation for ``SpaceToBatchND``: keras-hub's DeepLabV3 (atrous spatial pyramid pooling) and a
-tf-keras ``Conv2D(dilation_rate=2)`` were refused. ``Conv2D`` with ``dilations`` computes the same (forward bit for bit on one CPU) and DTensor
-lays it out as any convolution. TensorFlow's CPU has its gradients in float32 only (oneDNN's:
+propagation for ``SpaceToBatchND``: keras-hub's DeepLabV3 (atrous spatial pyramid pooling), a
+tf-keras ``Conv2D(dilation_rate=2)`` and a causal dilated ``Conv1D`` (WaveNet, TCNs) were refused.
+``Conv2D`` with ``dilations`` computes the same (forward bit for bit on one CPU) and DTensor lays it
+out as any convolution. TensorFlow's CPU has its gradients in float32 only (oneDNN's:
 "Current CPU implementations do not yet support dilation rates larger than 1" in float64); in
 another dtype the convolution is the sum over the window's offsets of each offset's slice times
 that offset's filter matrix (``conv_by_taps``).
@@ -205,24 +207,35 @@ def _conv2d_dilated(inputs, kernel, padding: str, dilation_2: tuple[int, int]):
     return conv_by_taps(inputs, kernel, strides=(1, 1), padding=padding.lower(), dilation_rate=dilation_2)
 
 
-def _dilated_2d(inputs, kernel, strides_2, dilation_2, padding, channels_last: bool) -> bool:
-    """Whether ``_conv2d_dilated`` computes this convolution: 2-D, ``channels_last``, stride 1, dilated,
-    one group, a static filter and ``"valid"``/``"same"`` padding."""
-    return (inputs.shape.rank == 4 and strides_2 == (1, 1) and dilation_2 is not None and max(dilation_2) > 1
-            and channels_last and isinstance(padding, str) and padding.lower() in ("valid", "same")
-            and None not in kernel.shape and inputs.shape[-1] == kernel.shape[-2])
+def _dilations(inputs, kernel, strides, dilation_rate, padding, channels_last: bool) -> tuple[int, ...] | None:
+    """The dilation of a convolution ``_conv_dilated`` computes (1-D or 2-D, ``channels_last``, stride 1,
+    dilated, one group, a static filter, ``"valid"``/``"same"`` padding), else None."""
+    rank = inputs.shape.rank - 2 if inputs.shape.rank is not None else 0
+    dilation = as_tuple(dilation_rate, rank) if rank in (1, 2) else None
+    if (dilation is None or max(dilation) == 1 or as_tuple(strides, rank) != (1,) * rank or not channels_last
+            or not isinstance(padding, str) or padding.lower() not in ("valid", "same")
+            or kernel.shape.rank != rank + 2 or None in kernel.shape or inputs.shape[-1] != kernel.shape[-2]):
+        return None
+    return dilation
+
+
+def _conv_dilated(inputs, kernel, padding: str, dilation: tuple[int, ...]):
+    """``_conv2d_dilated``; a 1-D convolution as the 2-D one of height 1 (``expand_dims``, not a
+    new-axis slice: see ``new_axis_slices_spelled_out``)."""
+    if len(dilation) == 2:
+        return _conv2d_dilated(inputs, kernel, padding, dilation)
+    out = _conv2d_dilated(tf.expand_dims(inputs, 1), tf.expand_dims(kernel, 0), padding, (1, *dilation))
+    return None if out is None else tf.squeeze(out, 1)
 
 
 def dilated_conv(original, inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1):
-    """Keras 3's TensorFlow ``conv``, for a 2-D ``channels_last`` stride-1 dilated convolution (not
-    grouped, static filter), as ``_conv2d_dilated``; ``original(...)`` for any other convolution."""
+    """Keras 3's TensorFlow ``conv``, for a 1-D or 2-D ``channels_last`` stride-1 dilated convolution
+    (not grouped, static filter), as ``_conv_dilated``; ``original(...)`` for any other convolution."""
     import keras
     inputs, kernel = tf.convert_to_tensor(inputs), tf.convert_to_tensor(kernel)
-    dilation_2 = as_tuple(dilation_rate, 2)
     layout = data_format or keras.config.image_data_format()
-    computed = None
-    if _dilated_2d(inputs, kernel, as_tuple(strides, 2), dilation_2, padding, layout == "channels_last"):
-        computed = _conv2d_dilated(inputs, kernel, padding, dilation_2)
+    dilation = _dilations(inputs, kernel, strides, dilation_rate, padding, layout == "channels_last")
+    computed = None if dilation is None else _conv_dilated(inputs, kernel, padding, dilation)
     if computed is None:
         return original(inputs, kernel, strides=strides, padding=padding, data_format=data_format,
                         dilation_rate=dilation_rate)
@@ -230,22 +243,23 @@ def dilated_conv(original, inputs, kernel, strides=1, padding="valid", data_form
 
 
 def dilated_tf_keras_conv(original, layer, inputs, kernel):
-    """tf-keras ``Conv.convolution_op`` (``Conv2D``, which computes a dilated convolution through
-    ``tf.nn.convolution``'s ``SpaceToBatchND``), for a 2-D ``channels_last`` stride-1 dilated
-    convolution of one group, as ``_conv2d_dilated``; ``original(layer, ...)`` for any other."""
+    """tf-keras ``Conv.convolution_op`` (``Conv1D``/``Conv2D``, which compute a dilated convolution
+    through ``tf.nn.convolution``'s ``SpaceToBatchND``), for a 1-D or 2-D ``channels_last`` stride-1
+    dilated convolution of one group, as ``_conv_dilated`` (``"causal"``: the layer has padded its
+    input, as for its own ``"VALID"`` convolution); ``original(layer, ...)`` for any other."""
     inputs, kernel = tf.convert_to_tensor(inputs), tf.convert_to_tensor(kernel)
-    computed = None
-    if layer.rank == 2 and layer.groups == 1 and _dilated_2d(
-            inputs, kernel, tuple(layer.strides), tuple(layer.dilation_rate), layer.padding,
-            layer.data_format == "channels_last"):
-        computed = _conv2d_dilated(inputs, kernel, layer.padding, tuple(layer.dilation_rate))
+    padding = "valid" if layer.padding == "causal" else layer.padding
+    dilation = None if layer.groups != 1 else _dilations(
+        inputs, kernel, tuple(layer.strides), tuple(layer.dilation_rate), padding,
+        layer.data_format == "channels_last")
+    computed = None if dilation is None else _conv_dilated(inputs, kernel, padding, dilation)
     return original(layer, inputs, kernel) if computed is None else computed
 
 
 @contextlib.contextmanager
 def dilated_convs_in_conv2d() -> Iterator[None]:
     """While active, this thread's Keras 3 ``ops.conv`` (``dilated_conv``) and tf-keras
-    convolution layers (``dilated_tf_keras_conv``) compute a dilated 2-D convolution as one
+    convolution layers (``dilated_tf_keras_conv``) compute a dilated 1-D or 2-D convolution as one
     ``Conv2D``. A framework not imported is left alone."""
     with contextlib.ExitStack() as stack:
         if keras3_tf_nn("conv") is not None:
