@@ -17,6 +17,7 @@ import types
 from tofu_tf.strategies import export as export_lib
 from tofu_tf.tf import compat, keras_adapter
 from tofu_tf.tf.compat import layers as compat_layers
+from tofu_tf.tf.compat import revived_functions as compat_revived
 from tofu_tf.tf.compat import slices as compat_slices
 
 _MAX_DEPTH = 4
@@ -218,10 +219,13 @@ def prepare_for_dtensor(model) -> list[compat.Applied]:
     named (``tofu_tf.tf.compat.slices``, the change "new_axis_slices_spelled_out"), and its
     SavedModel exports are made from a one-device copy
     (``tofu_tf.strategies.export``, the change "savedmodel_from_copy"): one traced on the mesh
-    holds DTensor ops no one-device runtime can run.
+    holds DTensor ops no one-device runtime can run. A model tf-keras revived from a SavedModel's
+    functions has them read the planned variables (``tofu_tf.tf.compat.revived_functions``).
     """
-    refuse_saved_functions(model)
     changes = compat_layers.prepare_layers(model)
+    deferred = compat_revived.defer_saved_function_captures(model)
+    if deferred is not None:
+        changes.append(deferred)
     spelled = compat_slices.spell_out_new_axes(model)
     if spelled is not None:
         changes.append(spelled)
@@ -229,27 +233,3 @@ def prepare_for_dtensor(model) -> list[compat.Applied]:
         changes.append(compat.Applied(compat.change("savedmodel_from_copy"), model.name,
                                       "SavedModel export from a one-device copy"))
     return changes
-
-
-# tf-keras revives a layer or model it cannot rebuild from its config (a subclassed model, a
-# custom layer) as a subclass of this class, whose call runs the functions saved with it.
-_REVIVED = ("tf_keras.src.saving.legacy.saved_model.load", "RevivedLayer")
-
-
-def refuse_saved_functions(model) -> None:
-    """Refuse a model whose call runs functions restored from a SavedModel, before planning.
-
-    Those functions hold the handles of the variables as they were loaded: under
-    ``strategy.scope()``, handles of variables waiting for the plan, which TofuStrategy then
-    replaces with the planned, laid-out ones; a step on the mesh would read the stale handles
-    (DTensor fails inside the step: ``In[1] is not a matrix``)."""
-    revived = [path or model.name for path, layer in [("", model)] + keras_adapter.layer_paths(model)
-               if any((kind.__module__, kind.__name__) == _REVIVED for kind in type(layer).__mro__)]
-    if revived:
-        raise keras_adapter.UnsupportedModelError(
-            f"{model.name} was loaded from a SavedModel as the functions saved with it ({', '.join(revived[:3])}: "
-            "tf-keras revives a subclassed model or a custom layer so), and those functions hold the variables "
-            "as they were loaded, which TofuStrategy lays out anew once it has planned the model. Build the "
-            "model from its class under strategy.scope() and load the saved weights into it "
-            "(model.load_weights(<the SavedModel directory>/variables/variables)), or save it in the Keras "
-            "format (.keras) with its class registered, which rebuilds it from its config.")

@@ -62,40 +62,73 @@ def test_saved_under_tofu_restored_on_one_device(case, model, save_in_scope):
 
 
 # tf.saved_model.load in the scope keeps the loaded variables as loaded (host, unpartitioned): the
-# serving signature runs once per device on its shard (before: "no Keras model reachable"). Not yet:
-# keras.models.load_model of a subclassed model, revived from its traced functions, has no model for
-# the strategy to plan; it is refused before its first step, naming the way that works (the test below).
-_NO_MODEL_TO_PLAN = {("model_save", "subclass")}
-
-
+# serving signature runs once per device on its shard (before: "no Keras model reachable").
+# keras.models.load_model of a subclassed model revives it from its traced functions, which now
+# read the planned variables (before: refused, naming the way that works; the tests below).
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_saved_on_one_device_restored_under_tofu(case, model, request):
-    flavor = "model_save" if isinstance(case, _KerasSaveLoad) else "saved_model_save"
-    if (flavor, model) in _NO_MODEL_TO_PLAN:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="a revived SavedModel has no Keras model to plan"))
+def test_saved_on_one_device_restored_under_tofu(case, model):
     case.run_test_save_no_strategy_restore_strategy(MODELS[model](), TofuStrategy(8))
 
 
-def test_a_revived_subclassed_model_is_refused_before_its_step_naming_the_way_that_works(tmp_path):
-    """keras_save_load_test's subclassed model loaded under the scope runs the functions saved with
-    it, which hold the variables as loaded, not as the plan lays them out (before: DynamicShapeError
-    from the revived call's traced shapes, then DTensor's 'In[1] is not a matrix' inside the step).
-    Refused before any step, naming the way out; that way predicts as one device."""
+def _revived_subclass(tmp_path):
+    """keras_save_load_test's subclassed model, saved on one device: the model, features, the
+    SavedModel's directory."""
     import numpy as np
-    from tofu_tf.tf.keras_adapter import UnsupportedModelError
-
-    model_fn = simple_models.SimpleSubclassModel()
-    model = model_fn.get_model()
+    model = simple_models.SimpleSubclassModel().get_model()
     features = np.random.default_rng(0).random((32, 3)).astype("float32")
-    want = model.predict(features, batch_size=16, verbose=0)
+    model.predict(features, batch_size=16, verbose=0)
     model.save(str(tmp_path / "saved"), save_format="tf")
+    return model, features, str(tmp_path / "saved")
+
+
+class _TwoLayers(keras.Model):
+    """A subclassed model wide enough for a memory budget to split its kernels."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(64, activation="relu")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def test_a_revived_subclassed_model_predicts_under_tofu_as_on_one_device(tmp_path):
+    """keras_save_load_test's subclassed model loaded under the scope runs the functions saved with
+    it, which TF binds to the variables as loaded; the plan gives each variable a new buffer. Was
+    refused before its first step (before that: DynamicShapeError, then DTensor's 'In[1] is not a
+    matrix' inside the step). Now its restored functions read the planned variables
+    (``saved_function_captures_deferred``): it predicts as the saved model does."""
+    import numpy as np
+    model, features, saved = _revived_subclass(tmp_path)
     strategy = TofuStrategy(8)
     with strategy.scope():
-        restored = keras.models.load_model(str(tmp_path / "saved"))
-    with pytest.raises(UnsupportedModelError, match=r"loaded from a SavedModel as the functions saved with it.*"
-                                                    r"model.load_weights\(<the SavedModel directory>/variables"):
-        restored.predict(features, batch_size=16, verbose=0)
+        restored = keras.models.load_model(saved)
+    np.testing.assert_allclose(restored.predict(features, batch_size=16, verbose=0),
+                               model.predict(features, batch_size=16, verbose=0), rtol=1e-6, atol=1e-6)
+    assert "saved_function_captures_deferred" in [applied.change.name for applied in strategy.changes]
+
+
+def test_a_revived_subclassed_model_trains_sharded_as_on_one_device(tmp_path):
+    """A revived subclassed model trained under a memory budget that makes the plan split its
+    kernels: losses and weights as the same SavedModel loaded and trained on one device."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    features, labels = rng.random((32, 5)).astype("float32"), rng.random((32, 3)).astype("float32")
+    keras.utils.set_random_seed(0)
+    net = _TwoLayers()
+    net(features[:2])
+    net.save(str(tmp_path / "saved"), save_format="tf")
+    reference = keras.models.load_model(str(tmp_path / "saved"))
+    reference.compile(keras.optimizers.SGD(0.1), "mse")
+    expected = reference.fit(features, labels, batch_size=16, shuffle=False, verbose=0).history["loss"]
+    strategy = TofuStrategy(8, memory_budget_bytes=3000)
     with strategy.scope():
-        rebuilt = model_fn.get_model()
-        rebuilt.load_weights(str(tmp_path / "saved" / "variables" / "variables"))
-    np.testing.assert_allclose(rebuilt.predict(features, batch_size=16, verbose=0), want, rtol=1e-5, atol=1e-6)
+        restored = keras.models.load_model(str(tmp_path / "saved"))
+        restored.compile(keras.optimizers.SGD(0.1), "mse")
+    loss = restored.fit(features, labels, batch_size=16, shuffle=False, verbose=0).history["loss"]
+    assert any(any(axis for axis in spec) for path, spec in strategy.plan.variable_layouts.items()
+               if path.endswith("kernel") and "SGD" not in path), strategy.plan.variable_layouts
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    for got, want in zip(restored.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -217,6 +217,18 @@ CHANGES: tuple[Change, ...] = (
             "No gradients provided for any variable",
         packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.strategies.eager_calls"),
     Change(
+        name="saved_function_captures_deferred",
+        replaces="the captured variable handles of the restored concrete functions of a model tf-keras revived "
+                 "from a SavedModel (RevivedLayer), as deferred captures reading each variable's handle at call "
+                 "time (ConcreteFunction.set_external_captures)",
+        targets=("tf_keras.src.saving.legacy.saved_model.load:RevivedLayer",
+                 "tensorflow.python.saved_model.function_deserialization:RestoredFunction",
+                 "tensorflow.python.eager.polymorphic_function.concrete_function:ConcreteFunction.set_external_captures"),
+        scope=Scope.MODEL, undone=_LIFETIME,
+        why="TF binds restored functions to the loaded variables' handles, which the plan replaces: a subclassed "
+            "model loaded under the scope was refused (the step would read stale handles: 'In[1] is not a matrix')",
+        packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.compat.revived_functions"),
+    Change(
         name="savedmodel_from_copy",
         replaces="the model's _trackable_children (SavedModel only), save and export",
         targets=("tf_keras:Model._trackable_children", "tf_keras:Model.save", "tf_keras:Model.export",
