@@ -31,12 +31,14 @@ puts on the model (``keras_hooks.prepare_for_dtensor`` installs them; the change
   archive is built, before any save starts, so ``export`` runs on the copy (every
   format: a TFLite or ONNX export traces the model too).
 
-What this cannot redirect: a signature the user traced on the strategy's model
+A signature the user traced on the strategy's model
 itself (``signatures=model.call.get_concrete_function(...)``) captures its DTensor
 variables, and a concrete function keeps no Python function to trace again on the copy.
-tf-keras ``model.save(dir, signatures=...)`` refuses such a signature with
-``DTensorExportError`` naming it (``refuse_signatures_on_the_mesh``; TF's own refusal names an
-"untracked" resource); trace it on ``one_device_copy(model)`` and save that copy with it. A SavedModel that would hold a DTensor
+tf-keras ``model.save(dir, signatures=...)`` wraps such a signature in a function of the copy that
+calls it with the copy's variables, where its graph holds no op of the mesh, and refuses it with
+``DTensorExportError`` naming it where it does (``signatures_for_copy``);
+``tf.saved_model.save(model, dir, signatures=...)`` is not redirected: trace such signatures on
+``one_device_copy(model)`` and save that copy with them. A SavedModel that would hold a DTensor
 variable anyway (a Keras 3 ``ExportArchive`` tracking the model directly) stops
 with ``tofu_tf.tf.variables.DTensorExportError``, which says the same.
 
@@ -92,37 +94,81 @@ def _save_from_copy(model, save):
         save_format = kwargs.get("save_format", args[1] if len(args) > 1 else None)
         if saving_api.get_save_format(filepath, save_format) != "tf":
             return save(filepath, *args, **kwargs)
-        refuse_signatures_on_the_mesh(model, kwargs.get("signatures"))
-        return one_device_copy(model).save(filepath, *args, **kwargs)
+        copy = one_device_copy(model)
+        if kwargs.get("signatures") is not None:
+            kwargs["signatures"] = signatures_for_copy(model, copy, kwargs["signatures"])
+        return copy.save(filepath, *args, **kwargs)
     save_from_copy.__wrapped__ = save
     return save_from_copy
 
 
-def refuse_signatures_on_the_mesh(model, signatures) -> None:
-    """Refuse SavedModel ``signatures`` traced on ``model`` itself, naming the way that works.
+_MESH_OPS = frozenset({"Relayout", "RelayoutLike", "CopyToMesh", "CopyToMeshGrad"})
 
-    A signature the user traced (``serve_fn.get_concrete_function(spec)`` over a function that
-    calls the model) reads the model's DTensor variables through the mesh's ops, and a concrete
-    function keeps no Python function to trace again on the one-device copy. TF's own refusal
-    comes later and names an 'untracked' resource (the variables, or the first lookup table it
-    meets), not the model; this names the signature and the fix."""
-    if signatures is None:
-        return
-    named = signatures.items() if isinstance(signatures, dict) else [("serving_default", signatures)]
-    handles = {id(keras_adapter.backing_variable(v).handle) for v in model.variables}
-    for name, signature in named:
+
+def signatures_for_copy(model, copy, signatures):
+    """SavedModel ``signatures`` the user traced on ``model`` itself, as functions of its one-device ``copy``.
+
+    A signature traced on the strategy's model (``serve_fn.get_concrete_function(spec)`` over a
+    function that calls the model) captures the model's DTensor variables, and a concrete function
+    keeps no Python function to trace again. Where its graph holds no op of the mesh (``Relayout``,
+    ``CopyToMesh``: the ops it runs are one device's, on the variables' global shapes), it is
+    wrapped in a function traced on the copy that calls it with the copy's variables in place of
+    the model's; layers and other objects the user attached to the model after building it (a
+    preprocessing model, a lookup layer) are attached to the copy too, so the SavedModel tracks
+    what the signature reads. A signature that relays out is refused with ``DTensorExportError``
+    naming it and the way that works (trace it on ``one_device_copy(model)``); TF's own refusal
+    names an 'untracked' resource."""
+    named = dict(signatures) if isinstance(signatures, dict) else {"serving_default": signatures}
+    sources, targets = _variables_by_path(model), _variables_by_path(copy)
+    copy_of = {id(keras_adapter.backing_variable(sources[path]).handle): keras_adapter.backing_variable(targets[path])
+               for path in sources if path in targets}
+    for name, signature in named.items():
         concrete = signature if hasattr(signature, "captured_inputs") else None
         if concrete is None and hasattr(signature, "get_concrete_function"):
             try:
                 concrete = signature.get_concrete_function()
             except (TypeError, ValueError):   # a tf.function without an input_signature: TF refuses it itself
                 continue
-        if concrete is not None and any(id(t) in handles for t in concrete.captured_inputs):
+        if concrete is None or not any(id(t) in copy_of for t in concrete.captured_inputs):
+            continue
+        if _MESH_OPS & _op_types(concrete.graph):
             raise DTensorExportError(
-                f"SavedModel signature {name!r} was traced on {model.name!r} as TofuStrategy lays it out (it reads "
-                "the model's variables on the DTensor mesh), so no one-device runtime could run it. Trace it on "
+                f"SavedModel signature {name!r} was traced on {model.name!r} as TofuStrategy lays it out (it relays "
+                "out the model's variables on the DTensor mesh), so no one-device runtime could run it. Trace it on "
                 "copy = tofu_tf.one_device_copy(model) (the same weights on the host) and save that copy with it: "
-                "copy.save(dir, signatures=...). model.save(dir) without signatures= saves the copy by itself.")
+                "copy.save(dir, signatures=...).")
+        named[name] = _called_with(concrete, copy_of)
+    _attach_like(copy, model)
+    return named if isinstance(signatures, dict) else named["serving_default"]
+
+
+def _op_types(graph) -> set:
+    """The op types of ``graph`` and of every function in its library."""
+    definition = graph.as_graph_def()
+    return ({node.op for node in definition.node}
+            | {node.op for function in definition.library.function for node in function.node_def})
+
+
+def _called_with(concrete, copy_of):
+    """A concrete function, traced outside any scope, that calls ``concrete`` with the variables of
+    ``copy_of`` (the copy's, by the handle of the model's each replaces) in place of the model's."""
+    captured = list(concrete.captured_inputs)
+    concrete.set_external_captures([copy_of[id(t)].handle if id(t) in copy_of else t for t in captured])
+    try:
+        args, kwargs = concrete.structured_input_signature
+        wrapper = tf.function(lambda *a, **k: concrete(*a, **k))
+        return wrapper.get_concrete_function(*args, **kwargs)
+    finally:
+        concrete.set_external_captures(captured)
+
+
+def _attach_like(copy, model) -> None:
+    """Attach to ``copy`` what the user attached to ``model`` after building it (a trackable public
+    attribute the copy lacks), the same object: a signature reads it through the model."""
+    from tensorflow.python.trackable import base as trackable
+    for name, value in vars(model).items():
+        if not name.startswith("_") and isinstance(value, trackable.Trackable) and not hasattr(copy, name):
+            setattr(copy, name, value)
 
 
 def _children_for(children):

@@ -142,11 +142,34 @@ def test_tf_keras_tf_saved_model_save_serves_on_one_device(tf_keras_model, tmp_p
     assert checkpoint_keys(tmp_path / "in_scope") == checkpoint_keys(tmp_path / "direct")
 
 
-def test_a_signature_traced_on_the_mesh_is_refused_naming_the_copy_that_serves(tf_keras_model, tmp_path):
-    """tf-keras's mirrored_strategy_test saves a serving signature it traced itself (a tf.function
-    calling the model). Traced on the strategy's model it reads the mesh's variables; before, the
-    save failed with TF's AssertionError about an 'untracked' resource, naming neither the signature
-    nor the way out. Refused naming both; the way it names serves on one device."""
+def test_a_signature_traced_on_the_mesh_serves_on_one_device(tmp_path):
+    """tf-keras's mirrored_strategy_test saves a serving signature it traced itself: a tf.function
+    that maps strings through a lookup layer attached to the model, then calls the model. Traced
+    on the strategy's model it captures the mesh's variables; before, the save failed with TF's
+    AssertionError about an 'untracked' resource. Where the traced graph holds no op of the mesh
+    (a data-parallel plan), the signature is called from a function of the one-device copy with
+    the copy's variables, the lookup attached to the copy: it serves as the model computes."""
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = tf_keras.Sequential([tf_keras.Input((3,), dtype="int64"), tf_keras.layers.Embedding(5, 4),
+                                     tf_keras.layers.Flatten(), tf_keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+    model.fit(np.ones((8, 3), "int64"), np.zeros((8, 2), "float32"), batch_size=8, verbose=0)
+    model.lookup = tf_keras.layers.StringLookup(vocabulary=["a", "b", "c"])
+
+    @tf.function(input_signature=[tf.TensorSpec((None, 3), tf.string, name="words")])
+    def serve_fn(words):
+        return {"scores": model(model.lookup(words))}
+    words = tf.constant([["a", "c", "zz"], ["b", "b", "a"]])
+    want = model.predict(model.lookup(words).numpy(), verbose=0)
+    model.save(str(tmp_path / "model"), signatures=serve_fn.get_concrete_function())
+    served = tf.saved_model.load(str(tmp_path / "model")).signatures["serving_default"](words=words)
+    np.testing.assert_allclose(served["scores"].numpy(), want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_signature_that_relays_out_is_refused_naming_the_copy_that_serves(tf_keras_model, tmp_path):
+    """A signature traced on a sharded plan's model holds DTensor's relayouts, which no one-device
+    runtime runs: refused naming the signature and one_device_copy; that way serves on one device."""
     _, model, x = tf_keras_model
 
     def signature_of(net):
@@ -156,7 +179,7 @@ def test_a_signature_traced_on_the_mesh_is_refused_naming_the_copy_that_serves(t
         return serve_fn.get_concrete_function()
 
     with pytest.raises(export_lib.DTensorExportError, match=r"signature 'serving_default' was traced on .*"
-                                                            r"tofu_tf.one_device_copy\(model\)"):
+                                                            r"relays out.*tofu_tf.one_device_copy\(model\)"):
         model.save(str(tmp_path / "refused"), signatures=signature_of(model))
     copy = export_lib.one_device_copy(model)
     copy.save(str(tmp_path / "copy"), signatures=signature_of(copy))

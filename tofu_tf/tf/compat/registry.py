@@ -230,9 +230,11 @@ CHANGES: tuple[Change, ...] = (
         packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.compat.revived_functions"),
     Change(
         name="savedmodel_from_copy",
-        replaces="the model's _trackable_children (SavedModel only), save and export",
+        replaces="the model's _trackable_children (SavedModel only), save and export; a tf-keras save's signatures "
+                 "traced on the model, called with the copy's variables (ConcreteFunction.set_external_captures)",
         targets=("tf_keras:Model._trackable_children", "tf_keras:Model.save", "tf_keras:Model.export",
-                 "keras:Model._trackable_children", "keras:Model.save", "keras:Model.export"),
+                 "keras:Model._trackable_children", "keras:Model.save", "keras:Model.export",
+                 "tensorflow.python.eager.polymorphic_function.concrete_function:ConcreteFunction.set_external_captures"),
         scope=Scope.MODEL, undone=_LIFETIME,
         why="a SavedModel traced on the mesh holds Relayout ops and DTensor variables, which one device "
             "and TF Serving cannot run; it is made from a one-device copy",
