@@ -150,8 +150,9 @@ def _op_types(graph) -> set:
 
 
 def _called_with(concrete, copy_of):
-    """A concrete function, traced outside any scope, that calls ``concrete`` with the variables of
-    ``copy_of`` (the copy's, by the handle of the model's each replaces) in place of the model's."""
+    """A concrete function that calls ``concrete`` with the variables of ``copy_of`` (the copy's, by
+    the handle of the model's each replaces) in place of the model's; ``concrete`` keeps its own
+    captures afterwards (the user's function still runs on the mesh)."""
     captured = list(concrete.captured_inputs)
     concrete.set_external_captures([copy_of[id(t)].handle if id(t) in copy_of else t for t in captured])
     try:
