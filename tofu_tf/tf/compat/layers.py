@@ -3,9 +3,10 @@
 Each function changes layers of the model it is given and returns what it changed as
 ``Applied`` records of the registered changes (``tofu_tf.tf.compat.registry``):
 
-* ``batch_norm_unfused``, ``layer_norm_unfused``: tf-keras runs BatchNormalization and
-  LayerNormalization through ``FusedBatchNormV3``, which DTensor has no layout propagation
-  for; the unfused formulation (moments + batch_normalization) computes the same.
+* ``batch_norm_unfused``, ``layer_norm_unfused``, ``normalization_centered``: tf-keras runs
+  BatchNormalization and LayerNormalization through ``FusedBatchNormV3``, which DTensor has no
+  layout propagation for; the unfused formulation (moments + batch_normalization, the mean
+  subtracted first as the fused kernel does) computes the same (``tofu_tf.tf.compat.normalization``).
 * ``average_pool_as_mean``: non-overlapping average pooling as reshape + mean (no ``AvgPoolGrad``).
 * ``average_pool_as_window_sum``: the other average pooling (overlapping windows, ``"same"``
   padding) as a sum of strided slices over each window's count (``tofu_tf.tf.compat.windows``).
@@ -37,7 +38,7 @@ import weakref
 import tensorflow as tf
 
 from tofu_tf.tf import keras_adapter
-from tofu_tf.tf.compat import depthwise, windows
+from tofu_tf.tf.compat import depthwise, normalization, windows
 from tofu_tf.tf.compat.registry import Applied, change
 
 
@@ -51,11 +52,15 @@ def prepare_layers(model) -> list[Applied]:
     for path, layer in paths:
         kind = type(layer).__name__
         if getattr(layer, "fused", False) is True and "BatchNormalization" in kind:
-            _unfuse_batch_norm(layer)
+            normalization.unfuse_batch_norm(layer)
             changes.append(Applied(change("batch_norm_unfused"), path, "fused=False"))
+            normalization.center_normalization(layer)
+            changes.append(Applied(change("normalization_centered"), path, "the mean subtracted first"))
         if getattr(layer, "_fused", False) is True and "LayerNormalization" in kind:
             layer._fused = False  # pylint: disable=protected-access
             changes.append(Applied(change("layer_norm_unfused"), path, "fused=False"))
+            normalization.center_normalization(layer)
+            changes.append(Applied(change("normalization_centered"), path, "the mean subtracted first"))
         if kind in ("AveragePooling2D", "AvgPool2D") and _non_overlapping(layer):
             layer.call = types.MethodType(_mean_pool_2d, layer)
             changes.append(Applied(change("average_pool_as_mean"), path, "pooling as reshape+mean"))
@@ -136,29 +141,6 @@ def _step_seeded_dropout_class():
             return tf.nn.experimental.stateless_dropout(inputs, rate, seed=seed, noise_shape=noise_shape)
 
     return StepSeededDropout
-
-
-def _unfuse_batch_norm(layer) -> None:
-    """Switch a BatchNormalization to its unfused ops, keeping the fused kernel's
-    moving-variance update: the fused op averages the *unbiased* batch
-    variance (Bessel's n/(n-1)) into ``moving_variance``, the unfused path the
-    biased one, which would drift by about 1/n per step."""
-    layer.fused = False
-    moments, assign = layer._moments, layer._assign_moving_average  # pylint: disable=protected-access
-    counts = {}
-
-    def counting_moments(inputs, reduction_axes, keep_dims, mask=None):
-        counts["n"] = tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), reduction_axes)), inputs.dtype)
-        return moments(inputs, reduction_axes, keep_dims, mask=mask)
-
-    def bessel_assign(variable, value, momentum, inputs_size):
-        if variable is layer.moving_variance and "n" in counts:
-            n = tf.cast(counts["n"], value.dtype)
-            value = value * n / tf.maximum(n - 1.0, 1.0)
-        return assign(variable, value, momentum, inputs_size)
-
-    layer._moments = counting_moments  # pylint: disable=protected-access
-    layer._assign_moving_average = bessel_assign  # pylint: disable=protected-access
 
 
 def _non_overlapping(layer) -> bool:

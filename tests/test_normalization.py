@@ -1,0 +1,111 @@
+"""tf-keras normalization layers under TofuStrategy compute what the fused kernel computes.
+
+The strategy runs tf-keras's BatchNormalization and LayerNormalization unfused (DTensor cannot
+lay out ``FusedBatchNormV3``), and ``tf.nn.batch_normalization``, which the unfused path calls,
+loses float32 digits where a channel's mean is large against its spread
+(``tofu_tf.tf.compat.normalization``). The inputs here are such: features around 300 that vary
+by about 0.01, as deep nets' late activations can be (NASNetMobile's last cells trained another
+model under the strategy than on one device before the fix).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+from tofu_tf.tf.compat import normalization
+from tests.strategy_helpers import BATCH, fit_beside_one_device
+
+
+def _offset_features(rows: int, shape=(16,), seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return (300.0 + 0.01 * rng.normal(size=(rows, *shape))).astype("float32")
+
+
+def test_centered_formula_keeps_the_digits_tf_nn_loses():
+    """Against float64: the centered formula is float32-accurate, TensorFlow's own formula is not
+    (which is why the strategy uses the first)."""
+    x = _offset_features(64)
+    mean, variance = np.mean(x, axis=0), np.var(x, axis=0)
+    scale, offset = np.full(16, 1.5, "float32"), np.full(16, 0.25, "float32")
+    truth = (x.astype("float64") - mean) / np.sqrt(variance.astype("float64") + 1e-3) * 1.5 + 0.25
+    args = [tf.constant(a) for a in (x, mean, variance, offset, scale)]
+    centered = normalization.centered_batch_normalization(*args, variance_epsilon=1e-3).numpy()
+    uncentered = tf.nn.batch_normalization(*args, variance_epsilon=1e-3).numpy()
+    assert np.max(np.abs(centered - truth)) < 1e-5
+    assert np.max(np.abs(uncentered - truth)) > 1e-4
+
+
+def _compile_sgd(model, learning_rate=0.5):
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+# tf-keras fuses a BatchNormalization of NHWC images and a LayerNormalization over the last axis
+SHAPES = {"BatchNormalization": (4, 4, 2), "LayerNormalization": (16,)}
+
+
+def _head_after(norm_layer):
+    def build():
+        keras.utils.set_random_seed(11)
+        inputs = keras.Input(SHAPES[norm_layer.__name__])
+        normalized = keras.layers.Flatten()(norm_layer()(inputs))
+        return keras.Model(inputs, keras.layers.Dense(4, name="head")(normalized))
+    return build
+
+
+@pytest.mark.parametrize("norm_layer", [keras.layers.BatchNormalization, keras.layers.LayerNormalization],
+                         ids=["batch_norm", "layer_norm"])
+def test_centered_normalization_trains_as_one_device(norm_layer):
+    """Three SGD steps under TofuStrategy equal one device's, whose layer runs fused (losses,
+    weights, BatchNormalization's moving statistics), the change recorded."""
+    reference = _head_after(norm_layer)()
+    assert getattr(reference.layers[1], "fused", None) or getattr(reference.layers[1], "_fused", None)
+    rng = np.random.default_rng(1)
+    x = (3.0 + rng.normal(size=(3 * BATCH, *SHAPES[norm_layer.__name__]))).astype("float32")
+    y = rng.integers(0, 4, size=(3 * BATCH,))
+    strategy, _, _ = fit_beside_one_device(_head_after(norm_layer), _compile_sgd, x, y, rtol=1e-5, atol=1e-6)
+    assert "normalization_centered" in {applied.change.name for applied in strategy.changes}
+
+
+def _one_sgd_step(model, x, y):
+    """One SGD step of learning rate 1: (each trainable weight's gradient, the moving statistics after)."""
+    before = [w.numpy() for w in model.trainable_weights]
+    _compile_sgd(model, learning_rate=1.0)
+    model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+    gradients = [b.astype("float64") - w.numpy().astype("float64") for b, w in zip(before, model.trainable_weights)]
+    return gradients, [w.numpy() for w in model.non_trainable_weights]
+
+
+@pytest.mark.slow
+def test_nasnet_layers_as_the_strategy_prepares_them_step_as_fused():
+    """tf-keras's NASNetMobile at 32x32, batch 8 (its last cells normalize 8 values a channel): one
+    SGD step with its layers as the strategy prepares them (``prepare_layers``: BatchNormalization
+    unfused and centered, depthwise convolutions grouped, poolings as sums) on one device changes
+    every trainable weight as the fused model does (gradients within 1e-3 of each weight's largest),
+    and the moving statistics alike. Unfused without the centering, the step's gradients in
+    the last cell differed by up to 53% of a weight's largest update (float64 sides with the fused
+    kernel), and the strategy trained another NASNet than one device did."""
+    from tofu_tf.tf.compat import layers
+
+    def build():
+        keras.utils.set_random_seed(3)
+        return keras.applications.NASNetMobile(input_shape=(32, 32, 3), weights=None, classes=10,
+                                               classifier_activation=None)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(8,))
+    fused = build()
+    initial = fused.get_weights()
+    want, want_statistics = _one_sgd_step(fused, x, y)
+    prepared = build()
+    prepared.set_weights(initial)
+    applied = {record.change.name for record in layers.prepare_layers(prepared)}
+    assert {"batch_norm_unfused", "normalization_centered"} <= applied, applied
+    got, statistics = _one_sgd_step(prepared, x, y)
+    worst = max((float(np.max(np.abs(g - w)) / np.max(np.abs(w))), v.name)
+                for g, w, v in zip(got, want, fused.trainable_weights) if np.max(np.abs(w)) > 0)
+    assert worst[0] < 1e-3, worst
+    for got_statistic, want_statistic in zip(statistics, want_statistics):
+        np.testing.assert_allclose(got_statistic, want_statistic, rtol=1e-6, atol=1e-7)
