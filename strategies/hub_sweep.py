@@ -18,7 +18,9 @@ Statuses: ``trains`` (losses within 1e-5 relative, evaluation 1e-5, predictions
 ``differs`` (it ran and its numbers differ from one device's, in float64 too);
 ``rounding`` (fp32 numbers differ beyond those tolerances, and the same run in float64
 agrees with one device to 1e-10: rounding that BatchNorm over a few values per channel
-amplifies, as in tf_keras' ResNet50 at 32x32, not a different computation); ``fails`` (any
+amplifies, as in tf_keras' ResNet50 at 32x32, not a different computation; the float32 run
+then also says how far one device moves from itself when every weight moves by one ulp,
+the size of difference such a model makes of rounding alone); ``fails`` (any
 other exception, or a refusal after the first step); ``crash``; ``timeout``;
 ``not built`` (the family's entry says why it is not built small). Run one
 family by hand with ``python -m tofu_tf.strategies.hub_sweep gpt2``; ``bench/zoo.py --all``
@@ -139,13 +141,7 @@ def run_family(name: str, *, width: int = 32, steps: int = 2, batch: int = 8, nu
         keras.utils.set_random_seed(3)
         reference = entry.build(width)
         initial = reference.get_weights()
-        x = hub_families.features(entry, reference, batch * steps)
-        x_eval = hub_families.features(entry, reference, batch + 3, seed=1)     # a last batch of 3
-        x_predict = hub_families.features(entry, reference, batch + 5, seed=2)  # a last batch of 5
-        out = reference.predict(hub_families.features(entry, reference, batch, seed=3), verbose=0)
-        in_batch = batch if entry.in_batch_labels else 0
-        y = hub_families.labels(out.shape, batch * steps, in_batch=in_batch)
-        y_eval = hub_families.labels(out.shape, batch + 3, seed=1, in_batch=in_batch)
+        data = x, y, x_eval, y_eval, x_predict = _data(entry, reference, batch, steps)
         result["params"] = int(reference.count_params())
         _compile(reference, keras, learning_rate)
         expected, one_first, one_steps = _fit(reference, x, y, batch, keras)
@@ -200,7 +196,76 @@ def run_family(name: str, *, width: int = 32, steps: int = 2, batch: int = 8, nu
     result["status"] = "differs" if mismatches else "trains"
     if mismatches:
         result["detail"] = "; ".join(mismatches) + _reproducible(entry, width, initial, x_predict, batch)
+    if mismatches and floatx == "float32":
+        gap = {"losses": _difference(losses, expected), "evaluate": _difference(evaluated, expected_eval),
+               "predict": _difference(predicted, expected_predict)}
+        spread = one_ulp_spread(entry, width, keras, learning_rate, batch, initial, data)
+        result.update(float32_gap=gap, one_ulp_spread=spread)
+        result["detail"] += ("; one device against itself with every weight one ulp away: " + ", ".join(
+            f"{key} {spread[key]:.1e} (TofuStrategy {gap[key]:.1e})" for key in gap if gap[key] > 0))
     return result
+
+
+def _data(entry, reference, batch: int, steps: int) -> tuple:
+    """(x, y, x_eval, y_eval, x_predict): ``steps`` training batches, then an evaluation set with
+    a last batch of 3 and a prediction set with a last batch of 5."""
+    from tofu_tf import hub_families
+    x = hub_families.features(entry, reference, batch * steps)
+    x_eval = hub_families.features(entry, reference, batch + 3, seed=1)
+    x_predict = hub_families.features(entry, reference, batch + 5, seed=2)
+    out = reference.predict(hub_families.features(entry, reference, batch, seed=3), verbose=0)
+    in_batch = batch if entry.in_batch_labels else 0
+    y = hub_families.labels(out.shape, batch * steps, in_batch=in_batch)
+    y_eval = hub_families.labels(out.shape, batch + 3, seed=1, in_batch=in_batch)
+    return x, y, x_eval, y_eval, x_predict
+
+
+def _difference(got, want) -> float:
+    """The largest difference of two results, relative where they are over 1: the scale the
+    tolerances above measure, as one number (``inf`` where the shapes differ)."""
+    import numpy as np
+    got, want = (value.flat_values if hasattr(value, "flat_values") else value for value in (got, want))
+    got, want = np.asarray(got, "float64"), np.asarray(want, "float64")
+    if got.shape != want.shape:
+        return float("inf")
+    return float(np.max(np.abs(got - want) / np.maximum(np.abs(want), 1.0), initial=0.0))
+
+
+def one_ulp_spread(entry, width, keras, learning_rate, batch, initial, data) -> dict:
+    """How far one device's own results move when every weight moves by one ulp (up, then down;
+    the larger of the two), by the measure of ``_difference``: {"losses", "evaluate", "predict"}.
+
+    A sharded step sums in another order than one device, a rounding-sized change in every op;
+    where a model amplifies such changes (BatchNorm over a few values per channel, a loss that
+    jumps in one SGD step), one device moves as far from itself as the strategy moves from it,
+    and this says how far. Training starts from ``initial`` moved; evaluation and prediction use
+    the weights one device trained to, moved (the sweep compares those at equal weights too)."""
+    import numpy as np
+    x, y, x_eval, y_eval, x_predict = data
+
+    def run(model, weights, train):
+        model.set_weights(weights)
+        if not train:
+            return None, model.evaluate(x_eval, y_eval, batch_size=batch, verbose=0), \
+                model.predict(x_predict, batch_size=batch, verbose=0)
+        _compile(model, keras, learning_rate)
+        return _fit(model, x, y, batch, keras)[0], None, None
+
+    reference = entry.build(width)
+    losses, _, _ = run(reference, initial, train=True)
+    trained = reference.get_weights()
+    _, evaluated, predicted = run(reference, trained, train=False)
+    spread = {"losses": 0.0, "evaluate": 0.0, "predict": 0.0}
+    for direction in (np.inf, -np.inf):
+        def moved(weights):
+            return [np.nextafter(w, np.asarray(direction, w.dtype)) if np.asarray(w).dtype.kind == "f" else w
+                    for w in weights]
+        moved_losses, _, _ = run(entry.build(width), moved(initial), train=True)
+        _, moved_evaluated, moved_predicted = run(reference, moved(trained), train=False)
+        spread = {"losses": max(spread["losses"], _difference(moved_losses, losses)),
+                  "evaluate": max(spread["evaluate"], _difference(moved_evaluated, evaluated)),
+                  "predict": max(spread["predict"], _difference(moved_predicted, predicted))}
+    return spread
 
 
 def _reproducible(entry, width, initial, x, batch) -> str:

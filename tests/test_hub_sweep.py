@@ -89,6 +89,28 @@ def test_two_gemma3n_builds_given_the_same_weights_predict_alike():
     assert hub_sweep._reproducible(entry, 16, model.get_weights(), x, 4) == ""
 
 
+def _one_ulp_spread(name):
+    entry = hub_families.SWEEP[name]
+    keras = hub_sweep._framework(entry)
+    keras.utils.set_random_seed(3)
+    model = entry.build(32)
+    data = hub_sweep._data(entry, model, 8, 2)
+    return hub_sweep.one_ulp_spread(entry, 32, keras, 0.05, 8, model.get_weights(), data)
+
+
+@pytest.mark.slow
+def test_one_ulp_spread_tells_a_model_that_amplifies_rounding():
+    """A ``rounding`` row says how far one device moves from itself when every weight moves by
+    one ulp. tf_keras' ResNet50 at 32x32 (its last stage 1x1, BatchNorm over 8 values a channel,
+    its loss 2.4 then 7.9) moves its second loss by over 1e-3 so (the strategy's gap was 6e-4);
+    keras-hub's GPT-2 stays inside the sweep's float32 tolerances."""
+    resnet = _one_ulp_spread("tfk_resnet50")
+    assert resnet["losses"] > 1e-3, resnet
+    gpt2 = _one_ulp_spread("gpt2")
+    assert gpt2["losses"] <= hub_sweep.LOSS_RTOL and gpt2["evaluate"] <= hub_sweep.EVAL_RTOL, gpt2
+    assert gpt2["predict"] <= hub_sweep.PREDICT_TOL, gpt2
+
+
 @pytest.mark.parametrize("name", FAST)
 def test_fast_family_trains_as_one_device(name):
     result = hub_sweep.run_in_subprocess(name, timeout=TIMEOUT_S)
