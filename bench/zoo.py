@@ -58,7 +58,7 @@ def sweep_row(r) -> str:
     """One row of the sweep's table (markdown)."""
     def ratio(a, b):
         return f"{r[a] / r[b]:.1f}x" if r.get(a) and r.get(b) else "-"
-    if r["status"] == "trains":
+    if r["status"] in ("trains", "rounding") and "sharded" in r:
         figures = (f"{r['sharded']:.0%}", f"{r['state_per_device']:.2f}", ratio("first_fit_s", "one_first_fit_s"),
                    ratio("steady_s", "one_steady_s"))
     else:
@@ -67,6 +67,14 @@ def sweep_row(r) -> str:
     status = r["status"]
     if r.get("detail") and status != "trains":
         detail = r["detail"].replace("\n", " ").replace("|", "/")
+        if r.get("float32_gap") and r.get("one_ulp_spread"):
+            # (losses, evaluate, predict) beside what one device does to itself; the float64 verdict
+            def triple(values):
+                return "/".join(f"{values[key]:.0e}" if values[key] else "0" for key in ("losses", "evaluate", "predict"))
+            wide = detail[detail.rfind("; float64") + 2:] if "; float64" in detail else ""
+            detail = (f"float32 differs by {triple(r['float32_gap'])} (losses/evaluate/predict); one device "
+                      f"differs from itself by {triple(r['one_ulp_spread'])} with every weight one ulp away"
+                      + (f"; {wide}" if wide else ""))
         status += ": " + (detail if len(detail) < 240 else detail[:237] + "...")
     return f"| {r['family']} | {params} | " + " | ".join(figures) + f" | {status} |"
 
