@@ -70,7 +70,8 @@ def sweep_row(r) -> str:
         if r.get("float32_gap") and r.get("one_ulp_spread"):
             # (losses, evaluate, predict) beside what one device does to itself; the float64 verdict
             def triple(values):
-                return "/".join(f"{values[key]:.0e}" if values[key] else "0" for key in ("losses", "evaluate", "predict"))
+                return "/".join(f"{values[key]:.1e}" if values[key] else "0"
+                                for key in ("losses", "evaluate", "predict"))
             wide = detail[detail.rfind("; float64") + 2:] if "; float64" in detail else ""
             detail = (f"float32 differs by {triple(r['float32_gap'])} (losses/evaluate/predict); one device "
                       f"differs from itself by {triple(r['one_ulp_spread'])} with every weight one ulp away"
