@@ -124,3 +124,26 @@ def test_fast_family_trains_as_one_device(name):
 @pytest.mark.parametrize("name", sorted(set(hub_families.SWEEP) - set(FAST)))
 def test_family_trains_or_is_refused_before_its_first_step(name):
     _check(hub_sweep.run_in_subprocess(name, timeout=TIMEOUT_S))
+
+
+def test_the_sweep_table_shows_a_rounding_rows_gap_beside_its_spread():
+    """bench/zoo.py's row for a ``rounding`` family: its figures, and the strategy's float32 gap
+    beside one device's own one-ulp spread, compactly (the full detail ran past the table's width)."""
+    import json
+    import subprocess
+    import sys
+    result = {"family": "tfk_resnet50", "status": "rounding", "params": 10, "sharded": 0.0,
+              "state_per_device": 1.0, "first_fit_s": 4.0, "one_first_fit_s": 2.0, "steady_s": 3.0,
+              "one_steady_s": 1.0, "float32_gap": {"losses": 5.6e-4, "evaluate": 0.0, "predict": 2e-6},
+              "one_ulp_spread": {"losses": 1.7e-2, "evaluate": 2e-5, "predict": 2.2e-5},
+              "detail": "float32: losses [...] vs one device [...]; one device against itself ...; float64 "
+                        "trains as one device (losses within 1e-10, weights within 1e-10)"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import json, sys; sys.path.insert(0, 'bench'); import zoo; "
+            f"print(zoo.sweep_row(json.loads({json.dumps(json.dumps(result))})))")
+    row = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         check=True, timeout=120).stdout.strip()
+    assert row == ("| tfk_resnet50 | 10 | 0% | 1.00 | 2.0x | 3.0x | rounding: float32 differs by "
+                   "5.6e-04/0/2.0e-06 (losses/evaluate/predict); one device differs from itself by "
+                   "1.7e-02/2.0e-05/2.2e-05 with every weight one ulp away; float64 trains as one device "
+                   "(losses within 1e-10, weights within 1e-10) |"), row
