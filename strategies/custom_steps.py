@@ -48,11 +48,30 @@ def overrides_train_step(model) -> bool:
     return method is not None and not module.startswith(_KERAS_MODULES)
 
 
+def compiled_with_several_optimizers(model) -> bool:
+    """Whether ``model`` was compiled with a list of optimizers: tf-keras' ``WideDeepModel``
+    takes one per sub-model (``compile(optimizer=[linear_opt, dnn_opt])``) and its own
+    ``train_step`` (in tf-keras, so ``overrides_train_step`` does not see it) applies each to its
+    sub-model's weights. Keras' one-optimizer step cannot be planned for it; that step can."""
+    optimizer = getattr(model, "optimizer", None)
+    return (isinstance(optimizer, (list, tuple)) or type(optimizer).__name__ == "ListWrapper") and len(optimizer) > 1
+
+
+def plans_own_step(model) -> bool:
+    """Whether the strategy plans ``model`` from its ``train_step`` (traced as ``fit`` runs it)
+    rather than from its compiled loss and optimizer: a class that writes its own step, or a
+    tf-keras premade model compiled with an optimizer per sub-model."""
+    return overrides_train_step(model) or compiled_with_several_optimizers(model)
+
+
 def optimizers_of(model) -> list:
     """The optimizers ``model`` holds as attributes, in the order they were set (a GAN's
-    ``d_optimizer`` and ``g_optimizer``), the compiled ``optimizer`` among them; each once."""
+    ``d_optimizer`` and ``g_optimizer``), the compiled ``optimizer`` among them (each of a
+    compiled list: a WideDeepModel's); each once."""
     found, seen = [], set()
-    candidates = list(vars(model).values()) + [getattr(model, "optimizer", None)]
+    compiled = getattr(model, "optimizer", None)
+    compiled = list(compiled) if compiled_with_several_optimizers(model) else [compiled]
+    candidates = list(vars(model).values()) + compiled
     for candidate in candidates:
         if keras_hooks.is_optimizer(candidate) and id(candidate) not in seen:
             seen.add(id(candidate))
@@ -120,7 +139,7 @@ def prepare(model, strategy) -> list:
     """What the strategy changes, once, on a model that writes its own ``train_step`` and on the
     objects that step uses (its optimizers, its tf-keras losses; the model marked built when it has
     no ``call``); nothing for any other model. The records of what changed (None: nothing)."""
-    if not overrides_train_step(model):
+    if not plans_own_step(model):
         return []
     return (prepare_optimizers(optimizers_of(model), strategy) + allow_global_mean_losses(model)
             + [mark_built(model)])
@@ -131,7 +150,7 @@ def refuse_pipeline(model) -> None:
     a model that writes its own ``train_step`` (a GAN: two tapes over sub-models, no ``call``) has
     no such step to cut. Refused before any stage is planned, naming the plan that trains it."""
     raise pipelined.PipelineError(
-        f"{model.name} writes its own train_step, and a pipelined TofuStrategy cuts a model's call into stages "
+        f"{model.name} trains by its own train_step, and a pipelined TofuStrategy cuts a model's call into stages "
         "and runs Keras' own step over them: drop pipeline= (the strategy then plans the model from its "
         "train_step and shards it over all devices).")
 
@@ -158,10 +177,17 @@ def has_own_call(model) -> bool:
     return call is not None and not str(getattr(call, "__module__", "")).startswith(_KERAS_MODULES)
 
 
+def plans_only_from_a_batch(model) -> bool:
+    """Whether only ``model``'s own ``train_step``, traced on a batch, says what it trains: it has no
+    ``call`` (a GAN), or its step applies an optimizer per sub-model (a WideDeepModel)."""
+    return plans_own_step(model) and (not has_own_call(model) or compiled_with_several_optimizers(model))
+
+
 def refuse_plan_without_data(model) -> None:
-    """``strategy.plan_model`` of a model with no ``call`` that writes its own ``train_step``: only
-    that step says what it trains, and it is traced on a batch, which was not given."""
+    """``strategy.plan_model`` of a model only its own ``train_step`` plans, with no batch to trace it on."""
+    why = (f"is compiled with {len(model.optimizer)} optimizers, which its train_step applies each to its own "
+           "sub-model" if compiled_with_several_optimizers(model) else "has no call and writes its own train_step")
     raise keras_hooks.keras_adapter.UnsupportedModelError(
-        f"{model.name} has no call and writes its own train_step, which TofuStrategy plans by tracing it on a "
-        "batch: pass one to strategy.plan_model(model, batch_size=..., features=<a batch as fit passes it to "
-        "train_step>), or let the first fit plan it.")
+        f"{model.name} {why}: TofuStrategy plans that step by tracing it on a batch. Pass one to "
+        "strategy.plan_model(model, batch_size=..., features=<a batch as fit passes it to train_step>), or let "
+        "the first fit plan it.")

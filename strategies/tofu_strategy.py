@@ -217,7 +217,7 @@ class TofuStrategy(distribute_lib.Strategy):
         """
         if features is not None:
             features = tf.nest.map_structure(_spec_of, features)
-        if custom_steps.overrides_train_step(model) and (features is not None or not custom_steps.has_own_call(model)):
+        if custom_steps.plans_own_step(model) and (features is not None or custom_steps.plans_only_from_a_batch(model)):
             if features is None:
                 custom_steps.refuse_plan_without_data(model)
             if self.plan is None:        # planned from its own train_step, traced on ``features``
@@ -936,7 +936,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 "globals it names): call strategy.plan_model(model, batch_size=<global batch size>, "
                 "loss=<the step's loss>, optimizer=<the step's optimizer>) before the first run.")
         if keras_hooks.runs_keras_step(fn, model) and (keras_hooks.compiled_loss(model) is not None
-                                                       or custom_steps.overrides_train_step(model)):
+                                                       or custom_steps.plans_own_step(model)):
             self._plan_from_specs(model, keras_hooks.split_step_data(tf.nest.map_structure(_spec_of, args)))
             return
         optimizer = keras_hooks.find_optimizer(fn) or getattr(model, "optimizer", None)
@@ -1019,7 +1019,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._prepare(model)
 
     def _plan_from_specs(self, model, step: keras_hooks.StepInputs) -> None:
-        if custom_steps.overrides_train_step(model):
+        if custom_steps.plans_own_step(model):
             if self._options.pipeline is not None:
                 custom_steps.refuse_pipeline(model)
             self._plan_train_step(model, step.data)

@@ -195,13 +195,43 @@ def test_a_premade_model_trains_as_on_one_device(kind):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_wide_deep_model_with_two_optimizers_is_refused_with_the_way_out():
-    """Capture plans one optimizer's update; two (one per sub-model) failed with Keras's own
-    "Could not interpret optimizer identifier: ListWrapper([...])"."""
-    from tofu_tf.tf.keras_adapter import UnsupportedModelError
+def test_a_wide_deep_model_with_an_optimizer_per_sub_model_trains_as_on_one_device():
+    """tf-keras's distribute tests compile WideDeepModel with two optimizers, one per sub-model
+    (``compile(optimizer=[linear_opt, dnn_opt])``), which its own ``train_step`` applies each to
+    its sub-model's weights. Capture planned Keras' one-optimizer step and refused the list
+    ("the model is compiled with 2 optimizers"); the strategy now plans that ``train_step``, with
+    both optimizers (SGD and Adam: Adam's slots are made for the deep part only)."""
     rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(32, 4)).astype("float32"), rng.normal(size=(32, 1)).astype("float32")
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = x @ np.array([[1.0], [2.0], [-1.0], [0.5]], np.float32)
+    reference = _premade("wide_deep", optimizers=2)
+    initial = reference.get_weights()
+    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
     with TofuStrategy(8).scope():
         model = _premade("wide_deep", optimizers=2)
-    with pytest.raises(UnsupportedModelError, match="2 optimizers.*single optimizer"):
-        model.fit(x, y, batch_size=16, verbose=0)
+    model.set_weights(initial)
+    loss = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    linear_optimizer, dnn_optimizer = model.optimizer
+    assert int(linear_optimizer.iterations) == int(dnn_optimizer.iterations) == 8
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=16, verbose=0),
+                               reference.evaluate(x, y, batch_size=16, verbose=0), rtol=1e-5)
+
+
+def test_plan_model_plans_a_wide_deep_models_own_step_from_a_batch_and_refuses_one_without_it():
+    """Only the model's own ``train_step`` says which optimizer updates which weights, so
+    ``plan_model`` traces it on a batch as ``fit`` passes it (``(x, y)``); without one it names that."""
+    from tofu_tf.tf.keras_adapter import UnsupportedModelError
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(16, 4)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = _premade("wide_deep", optimizers=2)
+    with pytest.raises(UnsupportedModelError, match=r"compiled with 2 optimizers.*features="):
+        strategy.plan_model(model, batch_size=16)
+    plan = strategy.plan_model(model, batch_size=16, features=(x, y))
+    adam_slots = {path.split("/")[1] for path in plan.variable_layouts if path.startswith("Adam/")}
+    assert plan is strategy.plan and adam_slots == {layer.name for layer in model.dnn_model.layers}  # its own only
+    assert f"{model.linear_model.name}/kernel" in plan.variable_layouts

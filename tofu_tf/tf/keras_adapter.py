@@ -345,8 +345,9 @@ def fresh_optimizer(framework: str, optimizer):
         names = ", ".join(type(o).__name__ for o in optimizer)
         raise UnsupportedModelError(
             f"the model is compiled with {len(optimizer)} optimizers ({names}; tf-keras's WideDeepModel "
-            "takes one per sub-model), and TofuStrategy plans a training step with one optimizer. Compile it "
-            "with a single optimizer, which then updates every weight.")
+            "takes one per sub-model), and this plans Keras' compiled step, which applies one. Under "
+            "TofuStrategy, fit and strategy.plan_model(model, batch_size=..., features=<a batch as fit passes "
+            "it>) plan the model's own train_step, which applies each; or compile it with a single optimizer.")
     optimizer = keras_module(framework).optimizers.get(optimizer)
     wrapped = getattr(optimizer, "optimizer", None)
     if type(optimizer).__name__ == "TFOptimizer" and wrapped is not None:
