@@ -177,6 +177,13 @@ def has_own_call(model) -> bool:
     return call is not None and not str(getattr(call, "__module__", "")).startswith(_KERAS_MODULES)
 
 
+def has_call(model) -> bool:
+    """Whether ``model`` can be called on its features: its class or a Keras class below ``Model``
+    (a premade model, ``Sequential``) defines ``call``; a keras.io GAN's is ``Model.call``, which raises."""
+    call = getattr(type(model), "call", None)
+    return call is not None and getattr(call, "__qualname__", "") != "Model.call"
+
+
 def plans_only_from_a_batch(model) -> bool:
     """Whether only ``model``'s own ``train_step``, traced on a batch, says what it trains: it has no
     ``call`` (a GAN), or its step applies an optimizer per sub-model (a WideDeepModel)."""

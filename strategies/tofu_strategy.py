@@ -1022,6 +1022,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         if custom_steps.plans_own_step(model):
             if self._options.pipeline is not None:
                 custom_steps.refuse_pipeline(model)
+            if custom_steps.has_call(model) and step.features is not None:
+                with self._container_strategy().scope():     # unbuilt (a WideDeepModel fit as made): its weights
+                    if keras_adapter.build_from_features(model, step.features):
+                        logging.info("TofuStrategy: built %s from its first batch to plan it", model.name)
             self._plan_train_step(model, step.data)
             return
         labels = step.labels if isinstance(step.labels, tf.TensorSpec) else None

@@ -157,7 +157,7 @@ class ImageCorrectnessTest(_Harness, harness.TestDistributionStrategyCorrectness
         self.run_with_tofu(optimizer, use_numpy, use_validation_data)
 
 
-def _premade(kind: str, optimizers: int = 1):
+def _premade(kind: str, optimizers: int = 1, built: bool = True):
     from tf_keras.src.premade_models import linear, wide_deep
     keras.utils.set_random_seed(5)
     if kind == "linear":
@@ -169,7 +169,8 @@ def _premade(kind: str, optimizers: int = 1):
         optimizer = keras.optimizers.legacy.SGD(0.1)
         if optimizers == 2:
             optimizer = [optimizer, keras.optimizers.legacy.Adam(0.01)]
-    model.build((None, 4))
+    if built:
+        model.build((None, 4))
     model.compile(optimizer, "mse")
     return model
 
@@ -218,6 +219,25 @@ def test_a_wide_deep_model_with_an_optimizer_per_sub_model_trains_as_on_one_devi
     assert int(linear_optimizer.iterations) == int(dnn_optimizer.iterations) == 8
     np.testing.assert_allclose(model.evaluate(x, y, batch_size=16, verbose=0),
                                reference.evaluate(x, y, batch_size=16, verbose=0), rtol=1e-5)
+
+
+def test_an_unbuilt_wide_deep_model_with_two_optimizers_is_built_from_its_first_batch():
+    """As tf-keras's distribute test makes it: never built before ``fit``. Its own ``train_step``
+    is traced to plan it, and the strategy read its weights first ("Weights for model
+    'linear_model' have not yet been created"): it is built from the first batch's features, as a
+    compiled model is. Seeded, its initial weights are one device's, so the run is too."""
+    rng = np.random.default_rng(2)
+    x = rng.uniform(-5, 5, size=(64, 4)).astype("float32")
+    y = x @ np.array([[0.3], [0.2], [0.0], [-0.1]], np.float32)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    reference = _premade("wide_deep", optimizers=2, built=False)
+    expected = reference.fit(dataset, epochs=2, verbose=0).history["loss"]
+    with TofuStrategy(8).scope():
+        model = _premade("wide_deep", optimizers=2, built=False)
+    loss = model.fit(dataset, epochs=2, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_plan_model_plans_a_wide_deep_models_own_step_from_a_batch_and_refuses_one_without_it():
