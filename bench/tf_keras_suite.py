@@ -47,6 +47,7 @@ flags.DEFINE_string("control_json", "", "take MirroredStrategy's outcomes from t
                     "(with --strategies=tofu)")
 flags.DEFINE_string("tofu_json", "", "take TofuStrategy's outcomes from this earlier --json_out too: only the table")
 # Internal: one module under one strategy, in a subprocess of its own.
+flags.DEFINE_bool("tracebacks", False, "with --child: print each failing case's whole traceback on stderr")
 flags.DEFINE_string("child", "", "internal: run --child_module under this strategy and print outcomes as JSON")
 flags.DEFINE_string("child_module", "", "internal")
 flags.DEFINE_string("child_skip_file", "", "internal: test ids (one a line) a restarted child skips")
@@ -211,6 +212,8 @@ def _run_child(strategy_name: str, module_name: str) -> None:
         case.run(result)
         if result.errors or result.failures:
             outcome, message = "fail", _error_line((result.errors + result.failures)[0][1])
+            if FLAGS.tracebacks:
+                print(f"{canonical}\n{(result.errors + result.failures)[0][1]}", file=sys.stderr, flush=True)
         elif result.skipped:
             outcome, message = "skip", result.skipped[0][1][:200]
         elif result.expectedFailures:

@@ -845,6 +845,11 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 "a pipelined TofuStrategy trains through Keras' fit, evaluate and predict, and strategy.run "
                 "(a custom training loop, train_on_batch under a strategy.run) is not pipelined: train with "
                 "model.fit, or drop pipeline= to run the loop with the tensor plan")
+        if keras_adapter.building_functional_model() or self._passthrough:
+            # A metric a layer adds in its call (add_metric), updated while tf-keras traces the call
+            # to build a functional model or while the step is captured to plan it: symbolic, never run.
+            with self._container_strategy().scope(), _GlobalReplicaContext(self._container_strategy()):
+                return fn(*args, **kwargs)
         model = keras_hooks.find_model(fn)
         if model is not None:
             self._prepare(model)

@@ -255,3 +255,45 @@ def test_plan_model_plans_a_wide_deep_models_own_step_from_a_batch_and_refuses_o
     adam_slots = {path.split("/")[1] for path in plan.variable_layouts if path.startswith("Adam/")}
     assert plan is strategy.plan and adam_slots == {layer.name for layer in model.dnn_model.layers}  # its own only
     assert f"{model.linear_model.name}/kernel" in plan.variable_layouts
+
+
+class _MeanMetricBias(keras.layers.Layer):
+    """tf-keras's distribute test's layer: a metric of its input added in its own call."""
+
+    def build(self, input_shape):
+        self.bias = self.add_weight(name="bias", initializer="ones", shape=())
+
+    def call(self, inputs):
+        self.add_metric(tf.reduce_mean(inputs), name="mean_input", aggregation="mean")
+        return inputs + self.bias
+
+
+def _model_with_added_metrics():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((10,))
+    hidden = _MeanMetricBias()(keras.layers.Dense(10)(inputs))
+    outputs = keras.layers.Dense(1)(hidden)
+    model = keras.Model(inputs, outputs)
+    model.add_metric(tf.reduce_sum(outputs), name="sum_output", aggregation="mean")
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    return model
+
+
+def test_metrics_added_in_a_layers_call_and_on_a_functional_model_train_as_on_one_device():
+    """``add_metric`` in a layer's ``call`` and on a functional model's symbolic output update the
+    metric while tf-keras builds the model (its scratch graph) and while the strategy captures
+    the step, through ``call_for_each_replica``: both planned there, with no model to plan
+    ("no Keras model is reachable from that function"). Neither runs anything: the metric is
+    called as is."""
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(64, 10)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
+    reference = _model_with_added_metrics()
+    initial = reference.get_weights()
+    expected = reference.fit(x, y, batch_size=16, epochs=2, validation_data=(x, y), shuffle=False, verbose=0).history
+    with TofuStrategy(8).scope():
+        model = _model_with_added_metrics()
+    model.set_weights(initial)
+    history = model.fit(x, y, batch_size=16, epochs=2, validation_data=(x, y), shuffle=False, verbose=0).history
+    assert set(history) == set(expected) >= {"mean_input", "sum_output", "val_mean_input"}
+    for name, values in expected.items():
+        np.testing.assert_allclose(history[name], values, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -716,3 +716,16 @@ def step_counters(model) -> list[tf.Variable]:
     optimizer's: tf-keras keeps one (``_train_counter``), Keras 3 none."""
     counter = getattr(model, "_train_counter", None)  # pylint: disable=protected-access
     return [counter] if isinstance(counter, tf.Variable) else []
+
+
+def building_functional_model() -> bool:
+    """Whether tf-keras is tracing a layer's call to build a functional model: it runs the call on
+    placeholders in a scratch graph of its own (``Layer._infer_output_signature``: a ``FuncGraph``
+    named "<layer>_scratch_graph"; "keras_graph", ``backend.get_graph()``, for a functional model's
+    own metrics) to infer the output signature. Nothing traced there ever runs; a metric a layer
+    adds in its call (``add_metric``) is updated there through the strategy's
+    ``call_for_each_replica`` before any step exists."""
+    if tf.executing_eagerly():
+        return False
+    name = getattr(tf.compat.v1.get_default_graph(), "name", None) or ""
+    return name.endswith("_scratch_graph") or name == "keras_graph"
