@@ -166,10 +166,22 @@ class DistributedBatches:
     plan exists: batches taken then are ``PendingValue``s.
     """
 
-    def __init__(self, dataset: tf.data.Dataset, placer: Callable[[], BatchPlacer | None]):
+    def __init__(self, dataset: tf.data.Dataset, placer: Callable[[], BatchPlacer | None],
+                 on_taken: Callable[[tf.data.Dataset], None] | None = None):
         self._dataset = dataset
         self._placer = placer
+        self._on_taken = on_taken
         self._batches = int(dataset.cardinality().numpy())
+
+    def tofu_taken_by_keras(self) -> None:
+        """tf-keras' fit/evaluate/predict takes this as its data (the change
+        "distributed_batches_accepted"), before it makes its step function: ``on_taken``
+        prepares the model it runs."""
+        if self._on_taken is not None:
+            self._on_taken(self._dataset)
+
+    def __bool__(self):
+        return True       # present, whatever its length (``if validation_data:`` asks; len may be unknown)
 
     def __iter__(self):
         if traced_batches.in_trace():            # iter(dist) or `for x in dist` inside a tf.function

@@ -72,6 +72,7 @@ from tofu_tf.tf import compat
 from tofu_tf.tf.compat import batch_concat as compat_batch_concat
 from tofu_tf.tf.compat import calls as compat_calls
 from tofu_tf.tf.compat import decoding as compat_decoding
+from tofu_tf.tf.compat import distributed_inputs as compat_distributed_inputs
 from tofu_tf.tf.compat import function_calls as compat_function_calls
 from tofu_tf.tf.compat import function_variables as compat_function_variables
 from tofu_tf.tf.compat import keras_ops as compat_keras_ops
@@ -373,6 +374,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         compat_process.hold_summary_printer(container_strategy)   # undone when no TofuStrategy is alive
         compat_decoding.hold_generate_router(container_strategy)   # likewise
         compat_summaries.hold_summaries(container_strategy)       # tf.summary of a value on the mesh: gathered
+        compat_distributed_inputs.hold_distributed_inputs(container_strategy)   # fit(its distributed dataset)
         eager_calls.hold_eager_calls(container_strategy)          # a model called eagerly: on the mesh
         if plan is not None:
             self._adopt(plan)
@@ -613,6 +615,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         path = _scoped_path(kwargs.get("name"))
         if self._lowered is None:
             compat_process.SUMMARY_PRINTER.refresh()    # tf-keras may be imported after the strategy was made
+            compat_distributed_inputs.DISTRIBUTED_INPUTS.refresh()
             compat_decoding.GENERATE_ROUTER.refresh()   # and keras-hub
             eager_calls.refresh_eager_calls()
             variable = variables_lib.DeferredVariable(
@@ -801,15 +804,22 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             # tf-keras distributes a DatasetCreator's dataset (distribute_datasets_from_function)
             # and then again, as it does any dataset not of TF's distributed types: already ours.
             return dataset
+        if self._prepare_model_in_stack(dataset) is None and self._lowered is None:
+            logging.info("TofuStrategy: a dataset distributed before any plan: its batches stay on the host "
+                         "until the first strategy.run plans the model its function trains")
+        return batches_lib.DistributedBatches(_without_autotune_thread(dataset), self._placer_if_planned,
+                                              on_taken=self._prepare_model_in_stack)
+
+    def _prepare_model_in_stack(self, dataset):
+        """The model whose fit/evaluate/predict takes ``dataset`` (Keras distributing it, or taking
+        one the user distributed), prepared and, before any plan, planned from its first batch;
+        None outside Keras' loops (a custom loop distributing its data)."""
         model = keras_hooks.find_model_in_stack()
         if model is not None:
             self._prepare(model)
             if self._lowered is None:
                 self._plan_from_specs(model, keras_hooks.split_step_data((_first_batch_spec(dataset),)))
-        elif self._lowered is None:
-            logging.info("TofuStrategy: a dataset distributed before any plan: its batches stay on the host "
-                         "until the first strategy.run plans the model its function trains")
-        return batches_lib.DistributedBatches(_without_autotune_thread(dataset), self._placer_if_planned)
+        return model
 
     def _make_input_fn_iterator(self, input_fn, replication_mode=None):
         """``strategy.make_input_fn_iterator``: TensorFlow 1's per-replica input, where each replica

@@ -297,3 +297,41 @@ def test_metrics_added_in_a_layers_call_and_on_a_functional_model_train_as_on_on
     assert set(history) == set(expected) >= {"mean_input", "sum_output", "val_mean_input"}
     for name, values in expected.items():
         np.testing.assert_allclose(history[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("distributed", ["dataset", "from_function"])
+def test_fit_takes_the_strategys_own_distributed_dataset_as_one_device_trains(distributed):
+    """TensorFlow's guide feeds ``fit`` a dataset the user distributed
+    (``strategy.experimental_distribute_dataset``, ``distribute_datasets_from_function``) with
+    ``steps_per_epoch``; tf-keras recognizes only TensorFlow's distributed datasets ("Failed to
+    find data adapter that can handle input"), and ``if validation_data:`` asked the length of
+    one of unknown length (TypeError). Without steps it is refused as MirroredStrategy's is."""
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(40, 10)).astype("float32"), rng.normal(size=(40, 1)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(6)
+        model = keras.Sequential([keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+        model.build((None, 10))
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        return model
+
+    def dataset(_=None):
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+
+    reference = build()
+    initial = reference.get_weights()
+    expected = reference.fit(dataset(), steps_per_epoch=5, validation_data=dataset(), validation_steps=2, epochs=2,
+                             verbose=0).history
+    strategy = TofuStrategy(8)
+    with strategy.scope():
+        model = build()
+    model.set_weights(initial)
+    distribute = (strategy.experimental_distribute_dataset if distributed == "dataset"
+                  else lambda ds: strategy.distribute_datasets_from_function(lambda _: ds))
+    history = model.fit(distribute(dataset()), steps_per_epoch=5, validation_data=distribute(dataset()),
+                        validation_steps=2, epochs=2, verbose=0).history
+    for name, values in expected.items():
+        np.testing.assert_allclose(history[name], values, rtol=1e-5, err_msg=name)
+    with pytest.raises(ValueError, match="distributed dataset, you must specify"):
+        model.fit(distribute(dataset()), epochs=1, verbose=0)

@@ -604,6 +604,16 @@ CHANGES: tuple[Change, ...] = (
             "tensors on the strategy's DTensor variables failed ('got a regular tensor ... expecting a DTensor')",
         packages=("tensorflow",), site="tofu_tf.tf.compat.function_calls"),
     Change(
+        name="distributed_batches_accepted",
+        replaces="tf-keras data_adapter._is_distributed_dataset (the module function): a TofuStrategy's "
+                 "distributed dataset (marked) is one too",
+        targets=("tf_keras.src.engine.data_adapter:_is_distributed_dataset",),
+        scope=Scope.PROCESS, undone="when no TofuStrategy is alive any more",
+        why="fit given the strategy's own distributed dataset (strategy.experimental_distribute_dataset, "
+            "distribute_datasets_from_function), as TensorFlow's guide feeds MirroredStrategy's, stopped with "
+            "'Failed to find data adapter that can handle input'",
+        packages=("tf-keras",), site="tofu_tf.tf.compat.distributed_inputs"),
+    Change(
         name="function_told_of_variables",
         replaces="the list of created variables of a tf.function's first trace (Function._initialize's "
                  "variable_capturing_scope, read from its closure on the tracing graph's creator stack): a variable "
