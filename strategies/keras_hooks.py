@@ -206,7 +206,10 @@ def split_step_data(args) -> StepInputs:
 
 
 def compiled_loss(model):
-    """The loss the model was compiled with (what capture traces), or None."""
+    """The loss the model was compiled with (what capture traces), or None; for a model compiled
+    without one that adds its own losses (``add_loss``), a zero loss (the step adds them)."""
+    if keras_adapter.compiled_without_loss(model):
+        return keras_adapter.no_compiled_loss
     return getattr(model, "loss", None)
 
 

@@ -335,3 +335,44 @@ def test_fit_takes_the_strategys_own_distributed_dataset_as_one_device_trains(di
         np.testing.assert_allclose(history[name], values, rtol=1e-5, err_msg=name)
     with pytest.raises(ValueError, match="distributed dataset, you must specify"):
         model.fit(distribute(dataset()), epochs=1, verbose=0)
+
+
+def _model_with_only_added_losses():
+    """tf-keras's distribute test's segmentation model: compiled with no loss, its per-pixel
+    weighted cross-entropy computed by a layer from the labels and weights it takes as inputs
+    and added with ``model.add_loss``."""
+    keras.utils.set_random_seed(1)
+    image = keras.layers.Input([8, 8, 3], name="img")
+    label = keras.layers.Input([8, 8, 1], name="lbl")
+    weight = keras.layers.Input([8, 8], name="weight")
+    predict = keras.layers.Conv2D(1, [1, 1], padding="same", activation="sigmoid")(image)
+    weighted = keras.layers.Lambda(lambda t: tf.reduce_mean(keras.losses.binary_crossentropy(t[1], t[0]) * t[2]),
+                                   name="my_loss")([predict, label, weight])
+    model = keras.Model(inputs=[image, label, weight], outputs=[predict, weighted])
+    model.add_loss(model.get_layer("my_loss").output)
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    return model
+
+
+def test_a_model_compiled_without_a_loss_trains_on_the_losses_it_adds_as_one_device():
+    """The plan was captured with mean squared error standing in for the missing compiled loss,
+    over both outputs ("Shapes must be equal rank, but are 4 and 0" packing them); Keras trains
+    such a model on its added losses only, and so is it planned."""
+    rng = np.random.default_rng(7)
+    images = rng.uniform(size=[48, 8, 8, 3]).astype("float32")
+    labels = (rng.uniform(size=[48, 8, 8, 1]) > 0.5).astype("float32")
+    weights = rng.uniform(size=[48, 8, 8]).astype("float32")
+
+    def data():
+        return tf.data.Dataset.from_tensor_slices((images, labels, weights)).map(
+            lambda i, l, w: ({"img": i, "lbl": l, "weight": w},)).batch(16)
+
+    reference = _model_with_only_added_losses()
+    initial = reference.get_weights()
+    expected = reference.fit(data(), epochs=2, verbose=0).history["loss"]
+    with TofuStrategy(8).scope():
+        model = _model_with_only_added_losses()
+    model.set_weights(initial)
+    np.testing.assert_allclose(model.fit(data(), epochs=2, verbose=0).history["loss"], expected, rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -301,6 +301,23 @@ def _output_shape(model, x_specs) -> list:
     return list(outputs[0].shape)
 
 
+def no_compiled_loss(y_true, y_pred):  # pylint: disable=unused-argument
+    """The compiled loss of a model compiled without one, whose losses it adds itself
+    (``model.add_loss``: tf-keras's distribute test's per-pixel weighted loss): zero, as Keras'
+    loss container sums no loss; the step adds the model's own losses (``regularization_losses``)."""
+    return tf.constant(0.0)
+
+
+def compiled_without_loss(model) -> bool:
+    """Whether ``model`` is compiled (it holds an optimizer) with no loss, training on the losses
+    it adds itself (``add_loss``): Keras' step computes only those. tf-keras records no loss as
+    an empty ``{}``, Keras 3 as None."""
+    loss = getattr(model, "loss", None)
+    no_loss = loss is None or (isinstance(loss, (dict, list, tuple)) or type(loss).__name__ in (
+        "DictWrapper", "ListWrapper")) and len(loss) == 0
+    return getattr(model, "optimizer", None) is not None and no_loss and bool(getattr(model, "losses", None))
+
+
 def get_loss(framework: str, loss) -> Callable:
     """The loss capture traces: the compiled one, copied when it is a tf-keras ``Loss``.
 
@@ -310,6 +327,8 @@ def get_loss(framework: str, loss) -> Callable:
     strategy's scope. The copy has the user's configuration and the container's mark;
     the user's object is left as it was. The change "loss_copy_marked".
     """
+    if loss is no_compiled_loss:
+        return loss
     if isinstance(loss, (dict, list, tuple)):
         raise ValueError(
             f"tofu_tf plans a training step with one loss, and this model was compiled with one loss "
