@@ -91,6 +91,7 @@ def prepare_optimizers(optimizers, strategy) -> list:
                     compat_optimizers.defer_slot_zeros(optimizer),
                     compat_optimizers.relayout_gradients(optimizer),
                     compat_optimizers.sparse_updates_dense(optimizer),
+                    compat_optimizers.unfuse_dense_updates(optimizer),
                     compat_optimizers.update_moving_averages(optimizer)]
     return changes
 

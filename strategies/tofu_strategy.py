@@ -437,7 +437,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         self._prepare(model)
         for own in optimizer if isinstance(optimizer, list) else [optimizer]:
             if not isinstance(own, str):       # a custom loop's own optimizer
-                self._record(compat_optimizers.relayout_gradients(own), compat_optimizers.sparse_updates_dense(own))
+                self._record(compat_optimizers.relayout_gradients(own), compat_optimizers.sparse_updates_dense(own),
+                             compat_optimizers.unfuse_dense_updates(own))
         self._plan_names = keras_adapter.weight_paths(model)
         start = time.perf_counter()
         with self._creating_plain_variables():
@@ -525,6 +526,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                      compat_optimizers.defer_slot_zeros(optimizer),
                      compat_optimizers.relayout_gradients(optimizer),
                      compat_optimizers.sparse_updates_dense(optimizer),
+                     compat_optimizers.unfuse_dense_updates(optimizer),
                      compat_optimizers.update_moving_averages(optimizer))
         if model in self._prepared:
             self._hint_layouts(model)

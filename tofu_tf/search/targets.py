@@ -77,8 +77,9 @@ minimal DTensor reproducer in ``tests/test_dtensor_expanders.py``:
   a ``tf.scan``/``TensorArray``'s ``TensorListStack``, a depthwise convolution's gradients,
   an int8 ``BatchMatMulV3``, the softplus and softsign gradients, ``MirrorPad``,
   ``ArgMin``, stateful random ops, and the fused updates of some of tf-keras's legacy
-  optimizers (Adadelta, Adamax, Ftrl, RMSprop with momentum, Adam with amsgrad, the
-  proximal ones). The legacy SGD, Adam, Adagrad and centered RMSprop updates
+  optimizers (Adam with amsgrad, the proximal ones; Adadelta's, Adamax's, Ftrl's and
+  momentum RMSprop's the strategy computes in elementwise ops,
+  ``tofu_tf.tf.compat.legacy_dense``). The legacy SGD, Adam, Adagrad and centered RMSprop updates
   (``ResourceApplyKerasMomentum``, ``ResourceApplyAdam``, ``ResourceApplyAdagradV2``,
   ``ResourceApplyCenteredRMSProp``) run, each with its weight and slots in one layout
   (``tofu_tf.tf.lowering.dtensor_natural``). An op DTensor runs replicated but not in the

@@ -37,6 +37,7 @@ from tensorflow.python.ops import resource_variable_ops
 from tofu_tf import ir
 from tofu_tf.search import targets
 from tofu_tf.tf import keras_adapter, update_stamps
+from tofu_tf.tf.compat import legacy_dense
 
 _CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 _SHAPE_KEEPING = frozenset({"Identity", "StopGradient", "Snapshot"})
@@ -236,6 +237,7 @@ def _trace(model, framework, batch_size, loss, optimizer, labels, features, *, s
         gradient_box.clear()
         opt = keras_adapter.fresh_optimizer(framework, optimizer)
         scaling = keras_adapter.loss_scaling(framework, opt)
+        legacy_dense.unfuse_dense_updates(opt if scaling is None else scaling.inner)   # as the user's will be
         deduplicated = keras_adapter.deduplicates_sparse_gradients(opt if scaling is None else scaling.inner)
         opt = keras_adapter.trace_updates_inline(opt if scaling is None else scaling.inner)
         concrete, slots, stamps = _trace_once(step_with(opt, scaling), opt, framework, (x_specs, y_spec),
@@ -301,7 +303,7 @@ def _trace_step_function(step_fn, arg_specs, model, framework, optimizer, *, sta
 
     for autograph in (False, True):
         gradient_box.clear()
-        updates_and_applies = [update_for(keras_adapter.fresh_optimizer(framework, opt)) for opt in optimizers]
+        updates_and_applies = [update_for(_unfused(keras_adapter.fresh_optimizer(framework, opt))) for opt in optimizers]
         updates = [update for update, _ in updates_and_applies]
         concrete, slots, stamps = _trace_once(step_with(updates_and_applies), updates, framework, arg_specs,
                                               autograph=autograph, weights=trainable, stamp_updates=stamp_updates)
@@ -846,3 +848,10 @@ def _check_static_shapes(graph: ir.Graph) -> None:
                    "tofu_tf plans static shapes: give the model a fixed input shape "
                    "(keras.Input(shape=...)) and pass batch_size, and avoid ops whose output size "
                    "depends on data."))
+
+
+def _unfused(optimizer):
+    """``optimizer`` (capture's copy) with the dense update the strategy gives the user's
+    (``tofu_tf.tf.compat.legacy_dense``)."""
+    legacy_dense.unfuse_dense_updates(optimizer)
+    return optimizer

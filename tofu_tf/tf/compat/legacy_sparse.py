@@ -22,8 +22,9 @@ So the sparse update keeps its meaning with other ops, on the optimizer instance
 
 Plain SGD and Adagrad need none of this: their dense update of the densified gradient is the sparse
 update (a zero row moves nothing and adds nothing to an accumulator); the gradient is densified
-(``sparse_gradient_for_update``). Ftrl and Adadelta are refused: DTensor cannot run even their
-dense updates.
+(``sparse_gradient_for_update``). Ftrl's and Adadelta's sparse updates are refused: DTensor runs
+neither fused sparse kernel, and their dense update (in elementwise ops,
+``tofu_tf.tf.compat.legacy_dense``) would move the rows the sparse one leaves alone.
 """
 
 from __future__ import annotations
@@ -150,4 +151,5 @@ def sparse_gradient_for_update(optimizer, gradient, variable):
     raise NotImplementedError(
         f"TofuStrategy: {name} (tf_keras.optimizers.legacy){through} updates "
         f"{keras_adapter.variable_path(variable)!r} from a sparse (Embedding) gradient with an op DTensor cannot "
-        f"run, and DTensor cannot run its dense update either. Use the new optimizer, {instead}, which DTensor runs.")
+        f"run, and its dense update would move the rows the sparse one leaves alone. Use the new optimizer, "
+        f"{instead}, which DTensor runs.")

@@ -9,7 +9,9 @@ None where the optimizer needs none:
 * ``relayout_gradients``: ``gradients_relaid``, each dense gradient in its variable's layout;
 * ``update_moving_averages``: ``ema_after_update``, tf-keras ``use_ema`` averages kept;
 * ``sparse_updates_dense``: ``legacy_sparse_updates_dense``, a legacy optimizer's sparse updates in
-  ops DTensor runs (``tofu_tf.tf.compat.legacy_sparse``).
+  ops DTensor runs (``tofu_tf.tf.compat.legacy_sparse``);
+* ``unfuse_dense_updates``: ``legacy_fused_updates_unfused``, a legacy optimizer's fused dense update
+  DTensor cannot run, in elementwise ops (``tofu_tf.tf.compat.legacy_dense``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import tensorflow as tf
 
 from tofu_tf.tf import keras_adapter
 from tofu_tf.tf.compat import legacy_sparse
+from tofu_tf.tf.compat.legacy_dense import unfuse_dense_updates  # noqa: F401  (one of this module's changes)
 from tofu_tf.tf.compat.legacy_sparse import sparse_updates_dense  # noqa: F401  (one of this module's changes)
 from tofu_tf.tf.compat.registry import Applied, change
 

@@ -291,6 +291,21 @@ CHANGES: tuple[Change, ...] = (
             "expander refuses (EmitAllScatter ... not more sharded)",
         packages=("tensorflow", "tf-keras", "keras"), site="tofu_tf.tf.compat.optimizers"),
     Change(
+        name="legacy_fused_updates_unfused",
+        replaces="a tf-keras legacy Adadelta's, Adamax's, Ftrl's or RMSprop-with-momentum's _resource_apply_dense "
+                 "(on the instance: the model's optimizer and capture's copy): its fused kernel's formula in "
+                 "elementwise ops, each slot and the weight read once before the update and written once",
+        targets=("tf_keras.src.optimizers.legacy.adadelta:Adadelta._resource_apply_dense",
+                 "tf_keras.src.optimizers.legacy.adamax:Adamax._resource_apply_dense",
+                 "tf_keras.src.optimizers.legacy.ftrl:Ftrl._resource_apply_dense",
+                 "tf_keras.src.optimizers.legacy.rmsprop:RMSprop._resource_apply_dense",
+                 "tf_keras.src.optimizers.legacy.optimizer_v2:OptimizerV2._fallback_apply_state"),
+        scope=Scope.OPTIMIZER, undone="never: it is how the strategy runs that optimizer",
+        why="DTensor has no layout propagation for ResourceApplyAdadelta, ResourceApplyAdaMax, ResourceApplyFtrl(V2) "
+            "or ResourceApplyRMSProp, in any layout: a model compiled with one of these legacy optimizers was "
+            "refused before its first step",
+        packages=("tf-keras",), site="tofu_tf.tf.compat.legacy_dense"),
+    Change(
         name="legacy_sparse_updates_dense",
         replaces="a legacy tf-keras optimizer's _resource_scatter_add/_resource_scatter_update (as assigns of "
                  "dense rows) and, for SGD and RMSprop with momentum, _resource_apply_sparse (its dense update, "
