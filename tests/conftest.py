@@ -18,12 +18,6 @@ os.environ["TOFU_PLAN_CACHE"] = "off"
 # stage functions need it off (tofu_tf.tf.compat.process.uncombine_all_reduces): a pipelined
 # TofuStrategy sets it when it is the process's first DTensor user; here other tests come first.
 os.environ["DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"] = "0"
-# TensorFlow's CPU kernels for a grouped convolution's gradients (and a depthwise convolution with
-# unequal strides) are oneDNN's, which TensorFlow turns on by default only on some x86 CPUs (on an
-# AMD EPYC it is off: "Gradients for grouped convolutions are not supported on CPU"). The tests of
-# the grouped form, and keras-hub MobileNet (Conv2D(groups=...) of its own), need them; the strategy's
-# path without them (depthwise_by_taps) is tested in subprocesses that set this to 0.
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 # Not TF_CPU_ALLOCATOR_USE_BFC: with it DTensor fails to fill scalars on CPU
 # ("TF_TensorData returned nullptr"); memory tests run it in a subprocess.
 

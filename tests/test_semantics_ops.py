@@ -415,6 +415,11 @@ def _conv_attrs(d: Draw, rank: int, allow_dilation=True):
     return attrs
 
 
+def _grouped_gradients_run() -> bool:
+    from tofu_tf.tf.compat import depthwise
+    return depthwise.grouped_gradients_run()
+
+
 def conv(d: Draw, op_type: str) -> Case:
     depthwise = op_type.startswith("Depthwise")
     rank = 3 if op_type == "Conv3D" else 2
@@ -435,9 +440,11 @@ def conv(d: Draw, op_type: str) -> Case:
     cout = d.pick((1, 2)) if depthwise else d.pick((1, 2, 4))
     # A grouped convolution (a depthwise one as Conv2D, tofu_tf.tf.compat.depthwise): the filter
     # holds cin/groups input channels, and cout is a multiple of groups.
-    # CPU gradient kernels for groups are oneDNN's, which take no EXPLICIT padding (Keras uses none).
+    # CPU gradient kernels for groups are oneDNN's, which take no EXPLICIT padding (Keras uses none),
+    # and exist only where oneDNN is on (TensorFlow leaves it off on some x86 CPUs, an AMD EPYC).
+    grouped_kernels = not op_type.startswith("Conv2DBackprop") or _grouped_gradients_run()
     groups = d.pick((1, 2, cin)) if op_type.startswith("Conv2D") and cin > 1 and attrs["padding"] != "EXPLICIT" \
-        else 1
+        and grouped_kernels else 1
     if groups > 1:
         cout = groups * d.pick((1, 2))
     x = d.floats((n,) + spatial + (cin,))
