@@ -39,7 +39,8 @@ function runs. Such a batch comes from a DTensor iterator instead (``MeshBatches
 ``DTensorDataset`` over the same dataset, whose iterator each iteration reads in the graph,
 every device receiving its part of the batch in the plan's batch layout (split over the plan's
 batch axis where it divides the batch, else replicated), as a fixed-shape distributed iterator
-does. From then on every batch of that iterator, eager or traced, comes from it, so the stream
+does; a loop that reaches a partial last batch fails there, naming it (the loop's program has
+one batch size). From then on every batch of that iterator, eager or traced, comes from it, so the stream
 stays one; it starts from the dataset's first batch, so it is refused when the iterator already
 gave batches another way. Taken before the plan exists (the loop's first ``run`` plans), the
 batch is a ``PendingLoopValue`` until ``run`` has planned, and then read from the iterator.
@@ -450,13 +451,23 @@ class MeshBatches:
 
     ``start(first)`` fixes the batch signature from the dataset's first batch; the iterator itself
     is made once the plan exists (its layouts are the plan's batch layouts). Each batch has the
-    first one's size: the dataset is unbatched and batched again at that size, dropping a partial
-    last batch (logged), as a fixed-shape distributed iterator does."""
+    first one's size: the dataset is unbatched and batched again at that size. The loop's program
+    is compiled for that size, so a partial last batch cannot run in it (MirroredStrategy's loop
+    runs it, on batches of unknown size): the loop that reaches one fails there with an error that
+    says so (``_full_batches``), never ends early or skips it silently.
+
+    Each batch read in the graph is relaid to the layout the iterator was made with
+    (``dtensor.relayout``): DTensor reads an iterator's element layouts from the function
+    argument that holds the iterator, which a loop body's argument does not carry, so inside the
+    loop it would infer the batch's layout from its consumers and expect a part of another shape
+    than the iterator gives ("Incompatible shapes at component 1: expected [10,2] but got [10,4]",
+    a replicated batch whose targets meet an output sharded on its last dimension)."""
 
     def __init__(self, dataset, placer_of):
         self._dataset = dataset
         self._placer_of = placer_of
         self._iterator = None
+        self._layouts = None
         self._first = None
         self.signature = None
 
@@ -489,8 +500,9 @@ class MeshBatches:
             if not split:
                 layouts = tf.nest.map_structure(lambda layout: dtensor.Layout.replicated(placer.mesh, layout.rank),
                                                 layouts)
+            self._layouts = layouts
             with tf.init_scope():
-                dataset = dtensor.DTensorDataset(self._dataset.unbatch(), mesh=placer.mesh, layouts=layouts,
+                dataset = dtensor.DTensorDataset(_full_batches(self._dataset, size), mesh=placer.mesh, layouts=layouts,
                                                  global_batch_size=size, batch_dim=placer.batch_axis if split else None)
                 self._iterator = iter(dataset)
         return self._iterator
@@ -503,14 +515,36 @@ class MeshBatches:
 
     def next_in_trace(self):
         if self._placer_of() is not None:
-            return self._mesh_iterator().get_next()
+            return self._laid_out(self._mesh_iterator().get_next())
         read = {}
 
         def read_batch():               # once per batch, in the graph run's resolves the first tensor in
             graph = tf.compat.v1.get_default_graph()
             if read.get("graph") is not graph:
-                read["graph"], read["batch"] = graph, self._mesh_iterator().get_next()
+                read["graph"], read["batch"] = graph, self._laid_out(self._mesh_iterator().get_next())
             return read["batch"]
         flat = tf.nest.flatten(self._first)
         leaves = [PendingLoopValue(read_batch, i, tf.TensorSpec(v.shape, v.dtype)) for i, v in enumerate(flat)]
         return tf.nest.pack_sequence_as(self._first, leaves)
+
+    def _laid_out(self, batch):
+        """``batch``, read in the graph, pinned to the layouts its iterator gives (see the class)."""
+        from tensorflow.experimental import dtensor
+        return tf.nest.map_structure(dtensor.relayout, batch, self._layouts)
+
+
+def _full_batches(dataset, size: int):
+    """``dataset``'s samples, unbatched, for a DTensor iterator that batches them at ``size``; the
+    samples of a partial last batch fail when the iterator reaches them, with a message naming
+    the cause and the fix (DTensor's iterator drops them: a loop reading one more batch failed
+    with a bare "End of sequence", and an eager ``next`` after a shorter loop ended the data)."""
+    message = (f"TofuStrategy: a loop the tf.function runs reached a partial last batch (fewer than {size} "
+               "samples): its program is compiled for the first batch's size, so that batch cannot run in "
+               "it. Batch the dataset with drop_remainder=True, repeat it, or run fewer iterations.")
+
+    def checked(*batch):
+        batch = batch[0] if len(batch) == 1 else batch
+        samples = tf.shape(tf.nest.flatten(batch)[0])[0]
+        with tf.control_dependencies([tf.debugging.Assert(tf.equal(samples, size), [message])]):
+            return tf.nest.map_structure(tf.identity, batch)
+    return dataset.unbatch().batch(size).map(checked).unbatch()

@@ -129,3 +129,55 @@ def test_a_loop_the_graph_runs_traces_again_for_a_new_iterator():
         one_step(batch)
     for got, want in zip(model.get_weights(), one_model.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _regression(samples):
+    rng = np.random.RandomState(1)
+    return tf.data.Dataset.from_tensor_slices(
+        (rng.randn(samples, 3).astype("float32"), rng.randn(samples, 4).astype("float32"))).batch(10)
+
+
+def _regression_run(strategy, steps, samples):
+    """tf-keras's custom_training_loop_models_test loop (a Dense over 3 features, its per-sample
+    mean squared error as the loss, the batches taken in a ``tf.range`` loop), with SGD so that it
+    compares exactly (the test's legacy RMSprop: tests/test_legacy_optimizers.py)."""
+    with strategy.scope():
+        keras.utils.set_random_seed(2)
+        inputs = keras.Input((3,))
+        model = keras.Model(inputs, keras.layers.Dense(4)(inputs))
+        optimizer = keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def train(iterator):
+        def step(batch):
+            x, y = batch
+            with tf.GradientTape() as tape:
+                loss = keras.losses.mean_squared_error(y, model(x))
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        for _ in tf.range(steps):
+            strategy.run(step, args=(next(iterator),))
+    train(iter(strategy.experimental_distribute_dataset(_regression(samples))))
+    return model
+
+
+def test_a_replicated_batch_in_a_loop_keeps_its_layout_where_the_plan_shards_its_consumer():
+    """Batches of 10 on a mesh with no axis dividing them run replicated; the targets meet an
+    output the plan shards on its last dimension. DTensor inferred the loop's batch layout from
+    that consumer and the loop failed ("Incompatible shapes at component 1: expected [10,2] but
+    got [10,4]"), asynchronously, at the next eager op; now every step computes one device's."""
+    model = _regression_run(TofuStrategy(num_gpus=8, mesh_shape={"model": 2, "model1": 4}), steps=3, samples=30)
+    want = _regression_run(tf.distribute.get_strategy(), steps=3, samples=30)
+    for got, expected in zip(model.get_weights(), want.get_weights()):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loop_reaching_a_partial_last_batch_fails_naming_it():
+    """31 samples in batches of 10 and four iterations (tf-keras's test as written): the loop's
+    program is compiled for 10 samples, so the fourth batch (1 sample) cannot run in it. Before,
+    DTensor's iterator dropped it and the loop failed with a bare "End of sequence" (and an eager
+    ``next`` after a shorter loop ended the data there); now the error names it and the fix. The
+    error surfaces at the next op that waits on the loop (DTensor runs the program asynchronously)."""
+    with pytest.raises(tf.errors.InvalidArgumentError, match="reached a partial last batch"):
+        model = _regression_run(TofuStrategy(num_gpus=8, mesh_shape={"model": 2, "model1": 4}), steps=4, samples=31)
+        model.get_weights()
+    assert float(tf.reduce_sum(tf.ones(3))) == 3.0        # the process goes on
