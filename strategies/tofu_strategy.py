@@ -977,6 +977,10 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         def in_replica(step_args, step_kwargs):
             with _GlobalReplicaContext(strategy):
                 return python_step(*step_args, **step_kwargs)
+        with strategy.scope():
+            if keras_adapter.build_from_step(model, in_replica, specs, optimizer if isinstance(optimizer, list)
+                                             else [optimizer]):
+                logging.info("TofuStrategy: built %s by tracing the step on its first batch, to plan it", model.name)
         self.plan_step_function(in_replica, specs, model=model, optimizer=optimizer)
 
     def _plan_train_step(self, model, data) -> None:

@@ -586,3 +586,51 @@ def test_a_dataset_iterated_inside_the_tf_function_is_refused_naming_the_distrib
         train(dataset)
     train(strategy.experimental_distribute_dataset(dataset))
     assert float(metric.result()) == 7.5
+
+
+def _subclassed_run(keras, strategy, legacy):
+    """tf-keras's custom_training_loop_models_test ``test_keras_subclass_model_optimizer_run``: a
+    subclassed model made in the scope, unbuilt until the step calls it, trained by a custom loop."""
+    class KerasSubclassModel(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(4, name="dense")
+
+        def call(self, x):
+            return self.dense(x)
+
+    strategy = strategy or tf.distribute.get_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        model = KerasSubclassModel()
+        optimizer = keras.optimizers.legacy.RMSprop() if legacy else keras.optimizers.RMSprop()
+    rng = np.random.default_rng(3)
+    data = tf.data.Dataset.from_tensor_slices((rng.normal(size=(30, 3)).astype("float32"),
+                                               rng.normal(size=(30, 4)).astype("float32"))).batch(10)
+
+    @tf.function
+    def train_step(iterator):
+        def step_fn(inputs):
+            images, targets = inputs
+            with tf.GradientTape() as tape:
+                loss = keras.losses.mean_squared_error(targets, model(images))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        strategy.run(step_fn, args=(next(iterator),))
+    iterator = iter(strategy.experimental_distribute_dataset(data))
+    for _ in range(2):
+        train_step(iterator)
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("framework,legacy", [("tf_keras", True), ("tf_keras", False), ("keras3", False)])
+def test_a_subclassed_model_first_called_in_the_step_trains_as_one_device(framework, legacy):
+    """Before, its weights were made in capture's trace (handles without buffers): a legacy optimizer
+    refused to add slots for them ("Trying to create optimizer slot variable under the scope ...")
+    and the others' gradients named no weight of the model ("applied no gradient of
+    keras_subclass_model's weights"). The strategy now builds it by tracing the step first."""
+    keras = FRAMEWORKS[framework]
+    got = _subclassed_run(keras, TofuStrategy(num_gpus=8), legacy)
+    for weight, expected in zip(got, _subclassed_run(keras, None, legacy)):
+        np.testing.assert_allclose(weight, expected, rtol=1e-5, atol=1e-6)

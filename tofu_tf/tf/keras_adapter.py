@@ -253,6 +253,27 @@ def build_from_features(model, features) -> bool:
     return True
 
 
+def build_from_step(model, step, arg_specs, optimizers) -> bool:
+    """Build a model that is not built yet by tracing a custom loop's ``step`` on ``arg_specs``
+    (a pair: the positional and keyword arguments' specs), as its first run would.
+
+    A subclassed model made in ``strategy.scope()`` creates its weights at its first call, which
+    in a custom loop is inside the step the strategy plans at its first ``run``: capture traced it
+    with buffer-less handles for weights, which the optimizer refused ("Trying to create optimizer
+    slot variable under the scope ... different from the scope used for the original variable")
+    and no gradient named. Only the step knows which argument is the model's input, so it is
+    traced once, nothing computed, each optimizer's update redirected to nothing (their state is
+    made by the plan); the weights come from the strategy's scope. True when it built the model."""
+    if model.built and model.trainable_variables:
+        return False
+    args, kwargs = arg_specs
+    with contextlib.ExitStack() as redirected:
+        for optimizer in optimizers:
+            redirected.enter_context(redirected_updates(optimizer, lambda grads_and_vars: None))
+        tf.function(lambda *a, **k: step(a, k)).get_concrete_function(*args, **kwargs)
+    return bool(model.trainable_variables)
+
+
 def _traced_outputs(model, specs) -> list:
     """``model``'s outputs traced on input ``specs`` (a structure; nothing computed: an
     unbuilt model makes its weights on the way, as at its first call)."""
