@@ -97,8 +97,13 @@ def _canonical(test_id: str, names) -> str:
 
 def _error_line(err_text: str) -> str:
     """The exception's type and the last line of its message (TensorFlow's "in user code"
-    errors put the traceback of the traced function first and the message last)."""
+    errors put the traceback of the traced function first and the message last); of an error
+    with several root errors ("2 root error(s) found."), the first one's line."""
     lines = [line.strip() for line in err_text.strip().splitlines() if line.strip()]
+    first_root = next((i for i, line in enumerate(lines) if line.startswith("(0)")), None)
+    if first_root is not None and "root error(s) found" in lines[first_root - 1]:   # several: the first
+        kind = lines[first_root - 1].split(":")[0]
+        return f"{kind}: {lines[first_root][4:]}"[:400]
     kind = next((line.split(":")[0] for line in reversed(lines)
                  if re.match(r"^[\w.]+(Error|Exception|Failure|Exit)\b", line)), "")
     last = lines[-1] if lines else ""
@@ -196,6 +201,7 @@ def _run_child(strategy_name: str, module_name: str) -> None:
     if FLAGS.child_skip_file:
         with open(FLAGS.child_skip_file) as f:
             skip = set(f.read().split())
+    after_async_error = False
     for case in cases(suite):
         test_id = case.id()
         if not any(f"distribution_{name}" in test_id for name in names) or "mode_graph" in test_id:
@@ -210,6 +216,10 @@ def _run_child(strategy_name: str, module_name: str) -> None:
         result = unittest.TestResult()
         start = time.time()
         case.run(result)
+        if after_async_error and _cancelled(result):
+            result = unittest.TestResult()          # cancelled by the last case's error: run it again
+            case.run(result)
+        after_async_error = _wait_for_pending(case, result)
         if result.errors or result.failures:
             outcome, message = "fail", _error_line((result.errors + result.failures)[0][1])
             if FLAGS.tracebacks:
@@ -223,6 +233,27 @@ def _run_child(strategy_name: str, module_name: str) -> None:
         results.append(canonical)
         print("RESULT " + json.dumps({"id": canonical, "outcome": outcome, "message": message,
                                       "seconds": round(time.time() - start, 1)}), flush=True)
+
+
+def _wait_for_pending(case, result) -> bool:
+    """Wait for what ``case`` left running: DTensor runs programs asynchronously (its device's
+    ``is_async``), so an error raised inside a case's last program reaches the next op that waits
+    on it, in the next case. It is counted as the case's own failure. True when there was one:
+    DTensor then cancels the next program it is given ("Function was cancelled before it was
+    started"), so the next case runs again when that is how it failed (``_cancelled``)."""
+    from tensorflow.python.eager import context
+    try:
+        context.async_wait()
+    except Exception:  # pylint: disable=broad-except
+        if not (result.errors or result.failures):
+            result.addError(case, sys.exc_info())
+        return True
+    return False
+
+
+def _cancelled(result) -> bool:
+    return any("cancelled before it was started" in text or "CancelledError" in text
+               for _, text in result.errors + result.failures)
 
 
 def _run_module(strategy_name: str, module_name: str) -> dict:

@@ -20,6 +20,7 @@ from tofu_tf import ir
 from tofu_tf.errors import TofuError
 from tofu_tf.strategies import keras_hooks
 from tofu_tf.strategies import pipelined
+from tofu_tf.tf import keras_adapter
 from tofu_tf.tf.compat import optimizers as compat_optimizers
 from tofu_tf.tf.compat.registry import Applied, change
 
@@ -54,7 +55,7 @@ def compiled_with_several_optimizers(model) -> bool:
     ``train_step`` (in tf-keras, so ``overrides_train_step`` does not see it) applies each to its
     sub-model's weights. Keras' one-optimizer step cannot be planned for it; that step can."""
     optimizer = getattr(model, "optimizer", None)
-    return (isinstance(optimizer, (list, tuple)) or type(optimizer).__name__ == "ListWrapper") and len(optimizer) > 1
+    return keras_adapter.is_sequence(optimizer) and len(optimizer) > 1
 
 
 def plans_own_step(model) -> bool:
@@ -195,7 +196,7 @@ def refuse_plan_without_data(model) -> None:
     """``strategy.plan_model`` of a model only its own ``train_step`` plans, with no batch to trace it on."""
     why = (f"is compiled with {len(model.optimizer)} optimizers, which its train_step applies each to its own "
            "sub-model" if compiled_with_several_optimizers(model) else "has no call and writes its own train_step")
-    raise keras_hooks.keras_adapter.UnsupportedModelError(
+    raise keras_adapter.UnsupportedModelError(
         f"{model.name} {why}: TofuStrategy plans that step by tracing it on a batch. Pass one to "
         "strategy.plan_model(model, batch_size=..., features=<a batch as fit passes it to train_step>), or let "
         "the first fit plan it.")

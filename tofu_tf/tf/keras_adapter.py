@@ -329,13 +329,23 @@ def no_compiled_loss(y_true, y_pred):  # pylint: disable=unused-argument
     return tf.constant(0.0)
 
 
+def is_sequence(value) -> bool:
+    """Whether ``value`` is a list or tuple, or the ``ListWrapper`` tf.Module tracking gives a list
+    assigned to a model's attribute (``model.optimizer`` compiled with a list: a WideDeepModel's)."""
+    return isinstance(value, (list, tuple)) or type(value).__name__ == "ListWrapper"
+
+
+def is_mapping(value) -> bool:
+    """Whether ``value`` is a dict, or the ``DictWrapper`` tracking gives one (tf-keras's ``model.loss``)."""
+    return isinstance(value, dict) or type(value).__name__ == "DictWrapper"
+
+
 def compiled_without_loss(model) -> bool:
     """Whether ``model`` is compiled (it holds an optimizer) with no loss, training on the losses
     it adds itself (``add_loss``): Keras' step computes only those. tf-keras records no loss as
     an empty ``{}``, Keras 3 as None."""
     loss = getattr(model, "loss", None)
-    no_loss = loss is None or (isinstance(loss, (dict, list, tuple)) or type(loss).__name__ in (
-        "DictWrapper", "ListWrapper")) and len(loss) == 0
+    no_loss = loss is None or (is_sequence(loss) or is_mapping(loss)) and len(loss) == 0
     return getattr(model, "optimizer", None) is not None and no_loss and bool(getattr(model, "losses", None))
 
 
@@ -381,7 +391,7 @@ def fresh_optimizer(framework: str, optimizer):
     Tracing builds an optimizer (it creates slots); doing that to the user's
     own optimizer would leave it holding capture-time placeholders.
     """
-    if isinstance(optimizer, (list, tuple)) or type(optimizer).__name__ == "ListWrapper":
+    if is_sequence(optimizer):
         names = ", ".join(type(o).__name__ for o in optimizer)
         raise UnsupportedModelError(
             f"the model is compiled with {len(optimizer)} optimizers ({names}; tf-keras's WideDeepModel "
