@@ -179,9 +179,11 @@ class GraphBuilder:
         return ir.Graph(tuple(self.ops), tensors, variables, batch_size=self.batch, framework="synthetic")
 
 
-def mlp_graph(batch=8, widths=(16, 32, 32, 8)) -> ir.Graph:
+def mlp_graph(batch=8, widths=(16, 32, 32, 8), *, reshaped_gradients=False) -> ir.Graph:
     """Forward, backward and update of a ReLU MLP, shaped like a captured step
-    (backward ops named ``gradient_tape/<forward op>/...`` as TF's tape names them)."""
+    (backward ops named ``gradient_tape/<forward op>/...`` as TF's tape names them).
+    ``reshaped_gradients``: each kernel gradient reaches the optimizer through two reshapes
+    (flat and back), as an einsum's does through ``BroadcastGradientArgs``."""
     b = GraphBuilder(batch)
     x = b.input("x", (batch, widths[0]))
     acts, kernels = [x], []
@@ -202,6 +204,11 @@ def mlp_graph(batch=8, widths=(16, 32, 32, 8)) -> ir.Graph:
                         layer=layer)
         dk = b.op(f"gradient_tape/{layer}/matmul/grad_k", "MatMul", (acts[i], grad), [(widths[i], widths[i + 1])],
                   attrs={"transpose_a": True}, layer=layer)
+        if reshaped_gradients:
+            flat = b.op(f"gradient_tape/{layer}/matmul/flat", "Reshape", (dk,), [(widths[i] * widths[i + 1],)],
+                        layer=layer)
+            dk = b.op(f"gradient_tape/{layer}/matmul/shaped", "Reshape", (flat,), [(widths[i], widths[i + 1])],
+                      layer=layer)
         gradients[dk] = f"{layer}/kernel"
         if i > 0:
             grad = b.op(f"gradient_tape/{layer}/matmul/grad_x", "MatMul", (grad, kernels[i]), [(batch, widths[i])],

@@ -42,6 +42,14 @@ WIDTH = 64
 # Llama's and Mistral's cheapest plans are data parallel on the CPU profile, whose gradient
 # all-reduces share one latency (tofu_tf.cost.collectives): they run under half that peak too.
 UNDER_BUDGET = frozenset({"t5", "gemma", "llama", "mistral"})
+# Since the all-reduces on the gradients' side (an einsum's kernel gradient at its batch sum) share
+# that latency too, the cheapest CPU plans of these are data parallel (measured faster than their
+# sharded plans: bench/vs_mirrored.py); they run under this fraction of one device's step's peak.
+# Gemma's plans under half of it (batch=4 x model=2) and under half its data-parallel peak
+# (model=4 x model1=2) fail inside DTensor, whose layout propagation gives an op a layout the plan
+# did not (an embedding lookup's output split on its features, the table whole; a rotary
+# embedding's stack split on the stacked dim): noted in bench/README.md, not fixed.
+UNDER_ONE_DEVICE_BUDGET = {"gemma": 0.4, "bert": 0.5, "gpt2": 0.5, "qwen3_moe": 0.5, "vit": 0.3}
 # Families whose every plan keeps the weights whole, and why (their step trains, evaluates and predicts
 # as one device's all the same).
 WEIGHTS_WHOLE = {
@@ -73,6 +81,13 @@ def _half_the_unconstrained_peak(graph) -> int:
     return plan_graph(graph, num_devices=8, hardware="cpu-virtual").peak_memory_bytes // 2
 
 
+def _budget(family, graph) -> int | None:
+    if family.name in UNDER_ONE_DEVICE_BUDGET:
+        one_device = plan_graph(graph, num_devices=1, hardware="cpu-virtual").peak_memory_bytes
+        return int(one_device * UNDER_ONE_DEVICE_BUDGET[family.name])
+    return _half_the_unconstrained_peak(graph) if family.name in UNDER_BUDGET else None
+
+
 @pytest.fixture(scope="module", params=sorted(hub_models.FAMILIES))
 def run(request):
     """One family trained, evaluated and predicted on one device and under TofuStrategy(8)."""
@@ -84,7 +99,7 @@ def run(request):
     reference = family.build(WIDTH)
     initial = reference.get_weights()
     graph = _captured_step(reference, x, y)
-    budget = _half_the_unconstrained_peak(graph) if family.name in UNDER_BUDGET else None
+    budget = _budget(family, graph)
     _compile(reference)
     outcome = {"family": family, "reference": reference, "graph": graph,
                "expected": reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"],

@@ -34,7 +34,11 @@ pass): the gradients' all-reduces of a step run as one or two (bench/executed.py
 the data-parallel MLP's 7 as 1, Llama's 24 as 1). On a link that pays its latency
 per collective (``Link.combines_gradient_all_reduces``, the CPU profile, where that
 latency is milliseconds), a gradient's all-reduce pays only its bytes, and the
-step pays the latency once per mesh axis that all-reduces gradients.
+step pays the latency once per mesh axis that all-reduces gradients. "A gradient" is
+any tensor on the weight-gradient side of the step (``gradient_side``): a kernel
+gradient summed over the batch and then reshaped (an einsum's, through
+``BroadcastGradientArgs``) is all-reduced at the sum, before its reshapes, and runs
+in the same combined all-reduce.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import dataclasses
 import enum
 import functools
 
+from tofu_tf import ir
 from tofu_tf.cost.hardware import Link
 from tofu_tf.semantics.strategy import TensorSplit
 
@@ -99,6 +104,34 @@ def collective_cost(kind: Collective, nbytes: float, n: int, link: Link) -> Tran
     moved = _BYTES_FACTOR[runs_as](n) * nbytes
     steps = 1 if link.latency_per_collective else _STEPS[runs_as](n)
     return Transfer(kind, moved, steps * link.latency + moved / link.bandwidth)
+
+
+def gradient_side(graph: ir.Graph) -> frozenset[str]:
+    """The tensors that lead to one weight gradient and nothing else: the gradients themselves
+    and what only one of them is made of (a kernel gradient's ``Sum`` over the batch, the
+    reshapes after it). The all-reduces of such tensors are independent of one another, so
+    DTensor's combining pass runs them as one (``bench/executed.py``: BERT's data-parallel step,
+    45 all-reduces expressed, 1 run, most at a ``Sum`` two reshapes before its gradient). The
+    backward signal, which leads to every earlier layer's gradients, is not on this side: an
+    all-reduce of it comes before theirs."""
+    many = None                                     # reaches more than one gradient
+    reach: dict[str, object] = {}                   # tensor -> the one gradient it reaches, or many
+    only: dict[str, bool] = {}                      # tensor -> every reader leads to gradients only
+    readers: dict[str, list] = {}
+    for op in graph.ops:
+        for name in op.inputs:
+            readers.setdefault(name, []).append(op)
+    for op in reversed(graph.ops):     # topological order reversed: a tensor's readers are decided first
+        for name in op.outputs:
+            tensor = graph.tensors.get(name)
+            if tensor is not None and tensor.role is ir.Role.GRADIENT:
+                reach[name], only[name] = name, True
+                continue
+            outputs = [out for reader in readers.get(name, ()) for out in reader.outputs]
+            reached = {reach.get(out, many) for out in outputs}
+            reach[name] = reached.pop() if len(reached) == 1 else many
+            only[name] = bool(outputs) and all(only.get(out, False) for out in outputs)
+    return frozenset(name for name, gradient in reach.items() if gradient is not many and only[name])
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -28,6 +28,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from tofu_tf import ir
+from tofu_tf.cost import collectives as collectives_lib
 from tofu_tf.cost.collectives import Collective, collective_cost
 from tofu_tf.cost.compute import FLOP_OPS, FREE_OPS, is_split, op_work
 from tofu_tf.cost.hardware import HardwareProfile
@@ -95,6 +96,7 @@ class StepPricer:
         sources: dict[str, tuple | None] = {}      # per source tensor: what every use of it shares
         aliases, tensors, op_index, absent = self.aliases, graph.tensors, self._op_index, self._absent
         resource, dtype_bytes = ir.Role.RESOURCE, ir.DTYPE_BYTES
+        gradient_side = collectives_lib.gradient_side(graph)
         for i, op in enumerate(graph.ops):
             for j, name in enumerate(op.inputs):
                 source = aliases.get(name, name)
@@ -106,7 +108,7 @@ class StepPricer:
                     else:
                         made, index = made_by.get(source, (None, 0))
                         known = (op_index.get(made, absent), index, float(tensor.num_bytes),
-                                 layer_of.get(tensor.producer), len(sources), tensor.role is ir.Role.GRADIENT)
+                                 layer_of.get(tensor.producer), len(sources), source in gradient_side)
                     sources[source] = known
                 if known is None:
                     continue
@@ -119,7 +121,7 @@ class StepPricer:
         self._use_producer, self._use_out = np.asarray(producer, dtype=np.int64), np.asarray(out, dtype=np.int64)
         self._use_bytes, self._use_layer = np.asarray(nbytes, dtype=np.float64), np.asarray(layer, dtype=np.int64)
         self._use_source = np.asarray(source, dtype=np.int64)
-        self._use_gradient = np.asarray(gradient, dtype=bool)      # the tensor is a gradient the optimizer reads
+        self._use_gradient = np.asarray(gradient, dtype=bool)      # the tensor leads only to weight gradients
         live_producer, live_out = [], []
         for name in self.liveness.names:
             made, index = made_by.get(self.aliases.get(name, name), (None, 0))

@@ -55,6 +55,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from tofu_tf import ir
+from tofu_tf.cost.collectives import gradient_side
 from tofu_tf.cost.memory import ALIAS_OPS, Liveness
 from tofu_tf.search import fold
 from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, Reduction, TensorSplit, replicate_all
@@ -206,6 +207,7 @@ class GraphIndex:
         self._group_cache: dict[tuple, dict[str, OpStrategy] | None] = {}
         self.matrix_cache: dict[tuple, dict] = {}   # transfer tables: by (n, link), then by (splits, bytes)
         self.tensor_bytes: dict[str, int] = {}      # filled as problems ask
+        self.gradient_side = gradient_side(graph)    # all-reduced together (``cost.collectives``)
         self.members, self.paths = self._members()
         self.use_table, self.tie_edges = self._use_table()
         self.run = fold.find_run(

@@ -474,7 +474,7 @@ class ProblemBuilder:
             src = tuple([o.strategies[member].outputs[out] for o in nodes[pu].options])
         member, j = use.consumer_member, use.j
         dst = tuple([o.strategies[member].inputs[j] for o in nodes[use.consumer_node].options])
-        gradient = self.link.combines_gradient_all_reduces and self.tensors[source].role is ir.Role.GRADIENT
+        gradient = self.link.combines_gradient_all_reduces and source in self.index.gradient_side
         self._add_matrix(use.consumer_node, pu, self._transfer_matrix(src, dst, nbytes, gradient), unary, pair_costs,
                          shared)
 
