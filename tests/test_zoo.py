@@ -6,10 +6,10 @@ model with a flat list), ``keras.Input(shape=(None,))`` (planned from the
 declared shape: DynamicShapeError), the task models' own ``.batch(b)`` pipelines
 (no static batch size), ``predict`` on a sharded vocabulary head (DTensor cannot
 copy a sharded tensor off the mesh), T5's two variables at one Keras path
-(KeyError). The models are small (width 64); most of their cheapest plans on 8
-virtual CPUs split weights. Where the cheapest plan keeps every weight whole, the
-model runs under a memory budget of half that plan's peak, as a user whose model
-does not fit would, so that weights shard.
+(KeyError). The models are small (width 64); on 8 virtual CPUs many of their
+cheapest plans are data parallel. Where the cheapest plan keeps every weight whole, the
+model runs under a memory budget (``UNDER_BUDGET``, ``UNDER_ONE_DEVICE_BUDGET``), as a
+user whose model does not fit would, so that weights shard.
 
 Optimizer: SGD with momentum. A sharded reduction rounds differently from one
 device's (fp32, about 1e-7 relative); SGD carries such a difference along at its
