@@ -33,23 +33,25 @@ from tofu_tf.tf.compat import calls
 _KINDS = ("train", "test", "predict")
 
 
-def install(model, placer_of, *, optimize_graph: bool = True) -> bool:
+def install(model, placer_of, *, optimize_graph: bool = True, explain=None) -> bool:
     """Give ``model`` TofuStrategy's train, test and predict functions (both Keras
     versions). ``placer_of()`` returns the strategy's current ``BatchPlacer`` (the plan
     may come after this call); ``optimize_graph``: whether grappler optimizes the step
-    programs (``tofu_tf.tf.compat.calls``). True when it changed the model: the change
+    programs (``tofu_tf.tf.compat.calls``); ``explain(error, model_name, kind)``: the error to raise
+    instead of an error of a program's first call (its compilation), or None to raise that
+    one (``tofu_tf.strategies.expansion_errors``). True when it changed the model: the change
     "step_functions" (``tofu_tf.tf.compat.registry``)."""
     if getattr(model, "_tofu_step_functions", False):
         return False
     keras3 = not any(base.__module__.startswith("tf_keras") for base in type(model).__mro__)
     for kind in _KINDS:
-        setattr(model, f"make_{kind}_function", _maker(model, kind, keras3, placer_of, optimize_graph))
+        setattr(model, f"make_{kind}_function", _maker(model, kind, keras3, placer_of, optimize_graph, explain))
         setattr(model, f"{kind}_function", None)
     model._tofu_step_functions = True  # pylint: disable=protected-access
     return True
 
 
-def _maker(model, kind: str, keras3: bool, placer_of, optimize_graph: bool):
+def _maker(model, kind: str, keras3: bool, placer_of, optimize_graph: bool, explain):
     attribute = f"{kind}_function"
 
     def make_function(force=False):
@@ -57,7 +59,8 @@ def _maker(model, kind: str, keras3: bool, placer_of, optimize_graph: bool):
         if current is not None and getattr(current, "_tofu", False) and not force:
             return current
         steps = SignatureSteps(model.name, kind, _step_body(model, kind, keras3), placer_of,
-                               eager=bool(getattr(model, "run_eagerly", False)), optimize_graph=optimize_graph)
+                               eager=bool(getattr(model, "run_eagerly", False)), optimize_graph=optimize_graph,
+                               explain=explain)
         if kind == "predict" and keras3:
             function = _keras3_predict_function(steps)
         else:
@@ -73,8 +76,9 @@ class SignatureSteps:
     """One step of one loop, as a ``tf.function`` per input signature."""
 
     def __init__(self, model_name: str, kind: str, body, placer_of, *, eager: bool = False,
-                 optimize_graph: bool = True):
+                 optimize_graph: bool = True, explain=None):
         self._model_name = model_name
+        self._explain = explain
         self._eager = eager                  # run_eagerly: op by op, as Keras would
         self._optimize_graph = optimize_graph
         self._kind = kind
@@ -94,7 +98,21 @@ class SignatureSteps:
                              _describe(data), len(self._functions) + 1)
             program = self._functions[key] = (self._body if self._eager or not tf.executing_eagerly()
                                                else _Program(self._body, data, self._optimize_graph))
+            if isinstance(program, _Program) and self._explain is not None:
+                return self._first_call(program, data, key)
         return program(data)
+
+    def _first_call(self, program, data, key):
+        """A program's first call compiles it: DTensor's refusal then, explained (nothing ran)."""
+        try:
+            return program(data)
+        except tf.errors.UnknownError as error:
+            explained = self._explain(error, self._model_name, self._kind)
+            if explained is None:
+                raise
+            del self._functions[key]
+            logging.debug("TofuStrategy: DTensor's refusal in full:\n%s", error)
+            raise explained from None
 
     @property
     def programs(self) -> list:

@@ -55,6 +55,7 @@ from tofu_tf.errors import TofuError
 from tofu_tf.strategies import batches as batches_lib
 from tofu_tf.strategies import generation
 from tofu_tf.strategies import eager_calls
+from tofu_tf.strategies import expansion_errors
 from tofu_tf.strategies import custom_steps
 from tofu_tf.strategies import keras_hooks
 from tofu_tf.strategies import layout_maps
@@ -343,6 +344,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         compat_function_calls.hold(self)     # a tf.function whose call makes the first plan is called again
         self._plan = None
         self._lowered = None
+        self._op_layers = None        # the captured step's layers by op (expansion_errors.OpLayers)
         self._deferred: list[variables_lib.DeferredVariable] = []
         self._passthrough = False
         self._warned_loaded = False
@@ -403,6 +405,17 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         for model in list(self._prepared):
             self._hint_layouts(model)
 
+    def _explain_refusal(self, error, model_name: str, kind: str):
+        """DTensor's refusal to compile a planned step, as ``PlanNotRunnableError``; None for
+        another error, or before a plan (``tofu_tf.strategies.expansion_errors``)."""
+        if self._plan is None:
+            return None
+        budget = self._options.memory_budget_bytes
+        mesh = "(" + ", ".join(f"{name}={size}" for name, size in self._plan.mesh_shape.items()) + ")"
+        return expansion_errors.explained(error, model_name=model_name, kind=kind, mesh_text=mesh,
+                                          budget_text=plan_lib.format_bytes(budget) if budget else None,
+                                          op_layers=self._op_layers)
+
     def plan_for(self, model, *, batch_size, loss, optimizer, labels, features=None) -> None:
         """Plan ``model``'s compiled training step (or one made of ``loss`` and ``optimizer``)."""
         if self._plan is not None:
@@ -443,6 +456,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         start = time.perf_counter()
         with self._creating_plain_variables():
             graph = capture()
+            self._op_layers = expansion_errors.OpLayers.of(graph)
             captured = time.perf_counter()
             plan = self._search(graph)
         planned = time.perf_counter()
@@ -545,7 +559,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 self._record(compat.Applied(compat.change("pipeline_step_functions"), model.name,
                                             "fit/evaluate/predict run the pipeline's schedule"))
         else:
-            if step_functions.install(model, self._placer, optimize_graph=self._options.graph_optimizations):
+            if step_functions.install(model, self._placer, optimize_graph=self._options.graph_optimizations,
+                                      explain=self._explain_refusal):
                 self._record(compat.Applied(compat.change("step_functions"), model.name,
                                             "fit/evaluate/predict run one batch at a time, one program per "
                                             "input signature (a partial last batch included)"))

@@ -48,7 +48,8 @@ UNDER_BUDGET = frozenset({"t5", "gemma", "llama", "mistral"})
 # Gemma's plans under half of it (batch=4 x model=2) and under half its data-parallel peak
 # (model=4 x model1=2) fail inside DTensor, whose layout propagation gives an op a layout the plan
 # did not (an embedding lookup's output split on its features, the table whole; a rotary
-# embedding's stack split on the stacked dim): noted in bench/README.md, not fixed.
+# embedding's stack split on the stacked dim): not fixed; the second is refused at its first step with
+# PlanNotRunnableError, naming the op and its layer (tests/test_expansion_errors.py).
 UNDER_ONE_DEVICE_BUDGET = {"gemma": 0.4, "bert": 0.5, "gpt2": 0.5, "qwen3_moe": 0.5, "vit": 0.3}
 # Families whose every plan keeps the weights whole, and why (their step trains, evaluates and predicts
 # as one device's all the same).
