@@ -33,6 +33,8 @@ _REFUSALS = ("SPMD expansion", "layout propagation", "sharded dimension", "shard
 _ERROR_LINE = re.compile(r"error: (.*)")
 _OPERATION = re.compile(r'see current operation: [^=]*= "tf\.(\w+)".*?_global_shape = \[#tf_type\.shape<([\dx]*)>')
 _SPECS = re.compile(r'_layout = \["sharding_specs:([^ ]*), mesh:')
+# A layout as DTensor writes it: its sharding specs, then the mesh with every device's name.
+_LAYOUT_TEXT = re.compile(r"sharding_specs:([^ ]*), mesh:\|[^ \"]*")
 _MOST_LAYERS = 4
 
 
@@ -70,7 +72,7 @@ def explained(error: Exception, *, model_name: str, kind: str, mesh_text: str, b
     lines = _ERROR_LINE.findall(text)
     if not lines or not any(marker in text for marker in _REFUSALS):
         return None
-    reason = lines[0].strip()
+    reason = _LAYOUT_TEXT.sub(lambda m: "(" + m.group(1).replace(",", ", ") + ")", lines[0].strip())
     operation = _OPERATION.search(text)
     what = "an op"
     if operation is not None:

@@ -48,6 +48,17 @@ def test_a_refused_layout_names_the_op_its_layout_its_layers_the_mesh_and_what_t
     assert "sharding_specs" not in text and "/job:" not in text
 
 
+def test_layouts_in_the_reason_are_shown_without_their_device_lists():
+    reason = ("/tmp/train.py:3:1: error: EmitAllScatter was passed a desired_layout sharding_specs:unsharded,"
+              "unsharded, mesh:|model=8|0,1,2,3,4,5,6,7|0,1,2,3,4,5,6,7|/job:localhost/replica:0/task:0/device:CPU:0 "
+              "which was not more sharded than the original_layout sharding_specs:model,unsharded, mesh:|model=8|"
+              "0,1|0,1|/job:localhost/replica:0/task:0/device:CPU:0\n")
+    text = str(_explain(tf.errors.UnknownError(None, None, reason)))
+    assert ("EmitAllScatter was passed a desired_layout (unsharded, unsharded) which was not more sharded than "
+            "the original_layout (model, unsharded)") in text, text
+    assert "/job:" not in text
+
+
 def test_other_errors_pass_through():
     assert _explain(tf.errors.UnknownError(None, None, "error: the file system is full")) is None
     assert _explain(tf.errors.UnknownError(None, None, "SPMD expansion, but no error line")) is None
