@@ -448,7 +448,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         logging.info("TofuStrategy: planning %s for batch %d on %d %s devices", model.name, batch_size,
                      self._devices.count, self._devices.device_type)
         self._prepare(model)
-        for own in optimizer if isinstance(optimizer, list) else [optimizer]:
+        for own in _listed(optimizer):
             if not isinstance(own, str):       # a custom loop's own optimizer
                 self._record(compat_optimizers.relayout_gradients(own), compat_optimizers.sparse_updates_dense(own),
                              compat_optimizers.unfuse_dense_updates(own))
@@ -993,8 +993,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             with _GlobalReplicaContext(strategy):
                 return python_step(*step_args, **step_kwargs)
         with strategy.scope():
-            if keras_adapter.build_from_step(model, in_replica, specs, optimizer if isinstance(optimizer, list)
-                                             else [optimizer]):
+            if keras_adapter.build_from_step(model, in_replica, specs, _listed(optimizer)):
                 logging.info("TofuStrategy: built %s by tracing the step on its first batch, to plan it", model.name)
         self.plan_step_function(in_replica, specs, model=model, optimizer=optimizer)
 
@@ -1136,6 +1135,11 @@ def _first_batch_spec(dataset):
     for batch in dataset.take(1):
         return tf.nest.map_structure(_spec_of, batch)
     raise PlanningError("TofuStrategy was given an empty dataset: it plans from the shapes of the first batch.")
+
+
+def _listed(optimizer) -> list:
+    """One optimizer or several (a list, or the ListWrapper of a model's list attribute) as a list."""
+    return list(optimizer) if keras_adapter.is_sequence(optimizer) else [optimizer]
 
 
 def _batch_size_of(features) -> int:

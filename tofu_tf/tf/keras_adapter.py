@@ -247,7 +247,7 @@ def build_from_features(model, features) -> bool:
     weights at its first call. The trace creates them (through the strategy's
     scope: no values yet) without computing anything. True when it built the model.
     """
-    if model.built and model.trainable_variables:     # a Keras 3 subclass's build() leaves its layers unbuilt
+    if _built(model):
         return False
     _traced_outputs(model, _one_input_unwrapped(features))
     return True
@@ -264,7 +264,7 @@ def build_from_step(model, step, arg_specs, optimizers) -> bool:
     and no gradient named. Only the step knows which argument is the model's input, so it is
     traced once, nothing computed, each optimizer's update redirected to nothing (their state is
     made by the plan); the weights come from the strategy's scope. True when it built the model."""
-    if model.built and model.trainable_variables:
+    if _built(model):
         return False
     args, kwargs = arg_specs
     with contextlib.ExitStack() as redirected:
@@ -272,6 +272,11 @@ def build_from_step(model, step, arg_specs, optimizers) -> bool:
             redirected.enter_context(redirected_updates(optimizer, lambda grads_and_vars: None))
         tf.function(lambda *a, **k: step(a, k)).get_concrete_function(*args, **kwargs)
     return bool(model.trainable_variables)
+
+
+def _built(model) -> bool:
+    """Built with its weights: a Keras 3 subclass's ``build()`` can leave its layers unbuilt."""
+    return bool(model.built and model.trainable_variables)
 
 
 def _traced_outputs(model, specs) -> list:
