@@ -194,6 +194,39 @@ def test_measured_figures_read_back_and_stand_beside_the_model():
     assert rows["state/device"][1:] == ["0.003", "0.003", "0%"]     # weights + slots: 1024 + 2048
 
 
+# Two gradients (8 and 16 floats) DTensor's combining pass wrote into one buffer of 1024 floats and
+# all-reduced over 8 devices, as the lowered program's text has it (bench/executed.py's CNN).
+_COMBINED = """\
+      %outputs_60, %control_61 = tf_executor.island wraps "tf.Const"() <{value = dense<8> : tensor<i32>}> : () -> tensor<i32>
+      %outputs_273, %control_274 = tf_executor.island wraps "tf.TensorStridedSliceUpdate"(%outputs_0, %outputs_116, %outputs_108, %outputs_68, %outputs_241) <{begin_mask = 0 : i64}> : (tensor<1024xf32>, tensor<1xi32>, tensor<1xi32>, tensor<1xi32>, tensor<8xf32>) -> tensor<1024xf32>
+      %outputs_275, %control_276 = tf_executor.island wraps "tf.TensorStridedSliceUpdate"(%outputs_273, %outputs_108, %outputs_54, %outputs_68, %outputs_271) <{begin_mask = 0 : i64}> : (tensor<1024xf32>, tensor<1xi32>, tensor<1xi32>, tensor<1xi32>, tensor<16xf32>) -> tensor<1024xf32>
+      %outputs_283, %control_284 = tf_executor.island(%control_258) wraps "tf.CollectiveReduceV2"(%outputs_275, %outputs_60, %outputs_281, %outputs_112) <{final_op = "Id", merge_op = "Add"}> : (tensor<1024xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<1024xf32>
+      %outputs_285, %control_286 = tf_executor.island wraps "tf.CollectiveReduceV2"(%outputs_241, %outputs_60, %outputs_281, %outputs_113) <{final_op = "Id", merge_op = "Add"}> : (tensor<8xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<8xf32>
+"""
+
+
+def test_the_zeros_a_combined_all_reduce_is_padded_with_are_measured_apart():
+    """DTensor pads a combined all-reduce's buffer to a multiple of 1024 elements: 1000 of these
+    1024 floats are zeros, which the plan does not move; the all-reduce it did not combine has none."""
+    from tofu_tf import executed
+    from tofu_tf.cost.collectives import Collective, collective_cost
+    from tofu_tf.cost.hardware import H100_NVLINK
+    link = H100_NVLINK.intra_node
+    ring = collective_cost(Collective.ALL_REDUCE, 1000 * 4, 8, link).bytes
+    assert executed.combine_padding(_COMBINED, link) == pytest.approx(ring)
+    lowered = executed.collectives(_COMBINED, executed.RUN_KINDS, link)
+    assert lowered["all-reduce"][0] == 2
+    figures = executed.ExecutedFigures({"all-reduce": (3, 32.0 * 2 * 7 / 8)}, lowered, 0,
+                                       executed.combine_padding(_COMBINED, link))
+    assert figures.lowered_payload_bytes == pytest.approx((8 + 16 + 8) * 4 * 2 * 7 / 8)
+    assert executed.ExecutedFigures.from_dict(figures.to_dict()) == figures
+    older = {key: value for key, value in figures.to_dict().items() if key != "lowered_padding"}
+    assert executed.ExecutedFigures.from_dict(older).lowered_padding == 0.0     # measured before padding was read
+    rows = {row[0]: row for row in executed.comparison_rows(figures, {"all-reduce": figures.lowered_payload_bytes}, 0)}
+    assert rows["runs (lowered)"][2:] == (figures.lowered_payload_bytes, figures.lowered_payload_bytes, 0.0)
+    assert rows["combine padding"][2] == pytest.approx(ring)
+
+
 def test_measured_figures_that_do_not_read_are_named():
     data = _measured().to_dict()
     data["executed"]["lowered"] = {"all-reduce": [1]}

@@ -45,6 +45,7 @@ _TYPES = re.compile(r":\s*\((.*)\)\s*->\s*(.*)$")
 _TENSOR = re.compile(r"tensor<([^>]*)>")
 _DEFINES = r'^\s*(%[\w#]+)(?:, %[\w#]+)* = (?:tf_executor\.island wraps )?'
 _SCALAR = re.compile(_DEFINES + r'"tf.Const"\(\) <\{value = dense<(\d+)> : tensor<i32>\}>')
+_UPDATE = re.compile(_DEFINES + r'"tf\.TensorStridedSliceUpdate"\((%[\w#]+),')
 _GROUPS = re.compile(_DEFINES + r'"tf.Const"\(\).*:\s*\(\)\s*->\s*tensor<(\d+)x(\d+)xi32>')
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i32": 4, "i64": 8, "i8": 1, "i1": 1}
 # What the child prints before its JSON line, so the parent finds it among the logs.
@@ -66,11 +67,16 @@ class ExecutedFigures:
         lowered: The same for the collectives left after DTensor's lowering and all-reduce
             combining: what runs.
         state_bytes: Weights and optimizer slots per device as the variables were placed.
+        lowered_padding: Of ``lowered``'s bytes, those of the zeros DTensor's combining pass
+            appends to each combined all-reduce's buffer (to a multiple of 1024 elements, for
+            XLA: ``tensorflow/dtensor/mlir/dtensor_allreduce_combine_optimization.cc``), priced
+            the same way. The plan moves no such bytes; they are shown apart, not as a gap.
     """
 
     collectives: Mapping[str, tuple[int, float]]
     lowered: Mapping[str, tuple[int, float]]
     state_bytes: int
+    lowered_padding: float = 0.0
 
     @property
     def collective_bytes(self) -> float:
@@ -84,16 +90,23 @@ class ExecutedFigures:
     def lowered_count(self) -> int:
         return sum(count for count, _ in self.lowered.values())
 
+    @property
+    def lowered_payload_bytes(self) -> float:
+        """What runs without the combining pass's padding: the figure the plan's total models."""
+        return self.lowered_bytes - self.lowered_padding
+
     def to_dict(self) -> dict:
         return {"collectives": {kind: list(value) for kind, value in self.collectives.items()},
                 "lowered": {kind: list(value) for kind, value in self.lowered.items()},
-                "state_bytes": self.state_bytes}
+                "state_bytes": self.state_bytes, "lowered_padding": self.lowered_padding}
 
     @classmethod
     def from_dict(cls, data) -> "ExecutedFigures":
-        """The figures ``to_dict`` wrote; ``ValueError`` naming what does not read."""
-        if not isinstance(data, Mapping) or set(data) != {"collectives", "lowered", "state_bytes"}:
-            raise ValueError(f"{data!r} is not an object of collectives, lowered and state_bytes")
+        """The figures ``to_dict`` wrote (``lowered_padding`` may be absent: measured before it
+        was read); ``ValueError`` naming what does not read."""
+        if not isinstance(data, Mapping) or not {"collectives", "lowered", "state_bytes"} <= set(data) \
+                or not set(data) <= {"collectives", "lowered", "state_bytes", "lowered_padding"}:
+            raise ValueError(f"{data!r} is not an object of collectives, lowered, state_bytes and lowered_padding")
 
         def kinds(name):
             value = data[name]
@@ -104,10 +117,12 @@ class ExecutedFigures:
                 raise ValueError(f"{name}: {value!r} is not an object of kind -> [count, bytes]")
             return {kind: (int(count), float(nbytes)) for kind, (count, nbytes) in value.items()}
 
-        state = data["state_bytes"]
+        state, padding = data["state_bytes"], data.get("lowered_padding", 0.0)
         if isinstance(state, bool) or not isinstance(state, int):
             raise ValueError(f"state_bytes: {state!r} is not an integer")
-        return cls(kinds("collectives"), kinds("lowered"), state)
+        if isinstance(padding, bool) or not isinstance(padding, (int, float)) or padding < 0:
+            raise ValueError(f"lowered_padding: {padding!r} is not a number of bytes")
+        return cls(kinds("collectives"), kinds("lowered"), state, float(padding))
 
 
 def gap(executed: float, modeled: float) -> float:
@@ -127,8 +142,10 @@ def comparison_rows(executed: ExecutedFigures, modeled_bytes: Mapping[str, float
         modeled = modeled_bytes.get(kind, 0.0)
         rows.append((kind, str(count), nbytes, modeled, gap(nbytes, modeled)))
     total = sum(modeled_bytes.values())
-    rows.append(("runs (lowered)", str(executed.lowered_count), executed.lowered_bytes, total,
-                 gap(executed.lowered_bytes, total)))
+    rows.append(("runs (lowered)", str(executed.lowered_count), executed.lowered_payload_bytes, total,
+                 gap(executed.lowered_payload_bytes, total)))
+    if executed.lowered_padding:
+        rows.append(("combine padding", "", executed.lowered_padding, 0.0, 0.0))
     rows.append(("state/device", "", float(executed.state_bytes), float(modeled_state),
                  gap(executed.state_bytes, modeled_state)))
     return rows
@@ -149,13 +166,7 @@ def collectives(mlir: str, kinds: Mapping[str, str], link) -> dict[str, tuple[in
     on ``link`` (so an all-gather DTensor expresses is priced as the all-reduce it lowers to,
     as the plan prices it)."""
     from tofu_tf.cost.collectives import Collective, collective_cost
-    sizes = {}
-    for line in mlir.splitlines():
-        scalar, groups = _SCALAR.match(line), _GROUPS.match(line)
-        if scalar:
-            sizes[scalar.group(1)] = int(scalar.group(2))
-        elif groups:
-            sizes[groups.group(1)] = int(groups.group(3))
+    sizes = _group_sizes(mlir)
     found = collections.defaultdict(lambda: [0, 0.0])
     for line in mlir.splitlines():
         op, types = _OP.search(line), _TYPES.search(line)
@@ -165,13 +176,72 @@ def collectives(mlir: str, kinds: Mapping[str, str], link) -> dict[str, tuple[in
         operands = [name.strip() for name in op.group(2).split(",")]
         local_in = _tensor_bytes(_TENSOR.findall(types.group(1))[0])
         local_out = _tensor_bytes(_TENSOR.findall(types.group(2))[0])
-        group = operands[1] if len(operands) > 1 else None
-        n = sizes.get(group) or max(1, round(max(local_in, local_out) / max(min(local_in, local_out), 1)))
+        n = _group_size(operands, sizes, local_in, local_out)
         # B of tofu_tf/cost/collectives.py: the tensor's bytes when replicated on the axis.
         whole = {"all-gather": local_out, "all-to-all": local_in * n}.get(kind, local_in)
         found[kind][0] += 1
         found[kind][1] += collective_cost(Collective(kind), whole, n, link).bytes
     return {kind: (count, nbytes) for kind, (count, nbytes) in found.items()}
+
+
+def combine_padding(mlir: str, link) -> float:
+    """Bytes each device sends per step for the zeros DTensor's combining pass appends to its
+    combined all-reduces (priced as ``collectives`` prices them): each combined buffer is
+    written by a chain of ``TensorStridedSliceUpdate`` (one per gradient it carries) into a flat
+    zero buffer padded to a multiple of 1024 elements; its padding is the buffer's elements
+    less those the chain writes."""
+    from tofu_tf.cost.collectives import Collective, collective_cost
+    written = {}                         # update's result -> (the buffer it updated, elements written)
+    for line in mlir.splitlines():
+        update, types = _UPDATE.match(line), _TYPES.search(line)
+        if update and types:
+            value = _TENSOR.findall(types.group(1))[-1]
+            written[update.group(1)] = (update.group(2), _tensor_bytes(value) // _element_bytes(value))
+    sizes, padding = _group_sizes(mlir), 0.0
+    for line in mlir.splitlines():
+        op, types = _OP.search(line), _TYPES.search(line)
+        if not op or not types or op.group(1) != "CollectiveReduceV2":
+            continue
+        operands = [name.strip() for name in op.group(2).split(",")]
+        buffer, carried = operands[0], 0
+        if buffer not in written:
+            continue
+        while buffer in written:
+            buffer, elements = written[buffer]
+            carried += elements
+        local = _TENSOR.findall(types.group(1))[0]
+        elements = _tensor_bytes(local) // _element_bytes(local)
+        pad = elements - carried
+        # A combined buffer is flat and padded by less than 1024 elements; an all-gather lowered to
+        # an all-reduce writes its shard into a zero tensor of the gathered shape the same way.
+        if local.count("x") == 1 and elements % 1024 == 0 and 0 < pad < 1024:
+            n = _group_size(operands, sizes, 1, 1)
+            padding += collective_cost(Collective.ALL_REDUCE, pad * _element_bytes(local), n, link).bytes
+    return padding
+
+
+def _group_sizes(mlir: str) -> dict[str, int]:
+    """The program's i32 constants that can size a collective's group: a scalar group size, or
+    a group assignment (groups x devices), by the value's name."""
+    sizes = {}
+    for line in mlir.splitlines():
+        scalar, groups = _SCALAR.match(line), _GROUPS.match(line)
+        if scalar:
+            sizes[scalar.group(1)] = int(scalar.group(2))
+        elif groups:
+            sizes[groups.group(1)] = int(groups.group(3))
+    return sizes
+
+
+def _group_size(operands, sizes, local_in: int, local_out: int) -> int:
+    """Devices in a collective's group: its second operand's constant, else the ratio of its
+    per-device input and output (a gather's or a scatter's)."""
+    group = operands[1] if len(operands) > 1 else None
+    return sizes.get(group) or max(1, round(max(local_in, local_out) / max(min(local_in, local_out), 1)))
+
+
+def _element_bytes(text: str) -> int:
+    return DTYPE_BYTES.get(text.split("x")[-1], 4)
 
 
 def training_step_programs(dump_dir: str) -> tuple[str, str]:
@@ -195,7 +265,7 @@ def figures_from_dumps(dump_dir: str, link, state_bytes: int) -> ExecutedFigures
     """The figures of the training step whose programs DTensor wrote to ``dump_dir``."""
     expanded, lowered = training_step_programs(dump_dir)
     return ExecutedFigures(collectives(expanded, DTENSOR_KINDS, link), collectives(lowered, RUN_KINDS, link),
-                           state_bytes)
+                           state_bytes, combine_padding(lowered, link))
 
 
 def dump_environment(dump_dir: str) -> dict[str, str]:

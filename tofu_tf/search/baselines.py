@@ -3,7 +3,16 @@
 * **data_parallel**: one ``batch`` axis over all devices; every batch input is
   split on dim 0, every variable replicated, every op must run split (no op is
   computed redundantly) without splitting a weight it reads or a gradient it
-  makes, so the completion is the batch split with gradient all-reduces.
+  makes, and splitting a tensor that carries the batch only where it carries
+  it (``GraphIndex.batch_dims``), so the completion is the batch split with
+  gradient all-reduces: a BatchNormalization's moments are partial sums over
+  the batch, not their input moved to a split of its channels. An op
+  that makes only what one weight gradient is made of (the reshapes after a
+  kernel gradient's ``Sum`` over the batch, reading nothing that carries it) may
+  also run whole: data parallelism all-reduces that ``Sum`` and reshapes the
+  reduced gradient, as DTensor runs it, where splitting the reshape would price
+  a redistribution of a tensor that no longer carries the batch and a gather
+  before the update.
 * **megatron**: one ``model`` axis; Dense kernels alternate column (split the
   output dim) and row (split the input dim) parallel; in Transformer blocks
   attention q/k/v are column-parallel (split heads) and the output projection
@@ -38,13 +47,37 @@ def data_parallel_restriction(index: GraphIndex, num_devices: int) -> Callable[[
                 f"data_parallel needs the batch ({shape[0] if shape else 'scalar'} in input {name!r}) to divide "
                 f"over {num_devices} devices; choose a batch size that is a multiple of {num_devices}")
 
+    batch_dims = index.batch_dims(num_devices, reaching=True)
+
     def allowed(node: NodeId, option: Option) -> bool:
         if node.kind is NodeKind.VARIABLE:
             return option.var_split == REPLICATED
         if node.kind is NodeKind.INPUT:
             return option.label == "S0"
-        return option.label != "replicate" and not _splits_state(index, node.name, option)
+        if option.label == "replicate":
+            return _reshapes_a_reduced_gradient(index, node.name, batch_dims)
+        return not _splits_state(index, node.name, option) and _splits_batch_where_it_is(
+            index.ops[node.name], option, batch_dims)
     return allowed
+
+
+def _splits_batch_where_it_is(op: ir.Op, option: Option, batch_dims) -> bool:
+    """Whether an op option splits each input that carries the batch on a dim that carries it
+    (an input not known to carry it may be split anywhere)."""
+    for name, split in zip(op.inputs, option.strategies[0].inputs):
+        carried = batch_dims.get(name)
+        if split.dim is not None and carried and split.dim not in carried:
+            return False
+    return True
+
+
+def _reshapes_a_reduced_gradient(index: GraphIndex, op_name: str, batch_dims) -> bool:
+    """Whether an op makes only what one weight gradient is made of (``GraphIndex.gradient_side``)
+    from inputs that no longer carry the batch: after the gradient's batch ``Sum``. (A kernel
+    gradient's matmul, on the gradient side too, reads the batch: whole, it would gather it.)"""
+    op = index.ops[op_name]
+    return bool(op.outputs) and all(name in index.gradient_side for name in op.outputs) \
+        and not any(batch_dims.get(name) for name in op.inputs)
 
 
 _STATE_ROLES = frozenset({ir.Role.WEIGHT, ir.Role.OPTIMIZER_SLOT, ir.Role.GRADIENT})
@@ -94,6 +127,8 @@ def _divisible(shape, split: TensorSplit, n: int) -> TensorSplit:
 
 def megatron_restriction(index: GraphIndex, num_devices: int) -> Callable[[NodeId, Option], bool]:
     wanted = megatron_layouts(index.graph, num_devices)
+
+    batch_dims = index.batch_dims(num_devices, reaching=True)
 
     def allowed(node: NodeId, option: Option) -> bool:
         if node.kind is NodeKind.VARIABLE:
