@@ -196,7 +196,7 @@ def combine_padding(mlir: str, link) -> float:
         update, types = _UPDATE.match(line), _TYPES.search(line)
         if update and types:
             value = _TENSOR.findall(types.group(1))[-1]
-            written[update.group(1)] = (update.group(2), _tensor_bytes(value) // _element_bytes(value))
+            written[update.group(1)] = (update.group(2), _elements(value))
     sizes, padding = _group_sizes(mlir), 0.0
     for line in mlir.splitlines():
         op, types = _OP.search(line), _TYPES.search(line)
@@ -204,17 +204,15 @@ def combine_padding(mlir: str, link) -> float:
             continue
         operands = [name.strip() for name in op.group(2).split(",")]
         buffer, carried = operands[0], 0
-        if buffer not in written:
-            continue
         while buffer in written:
             buffer, elements = written[buffer]
             carried += elements
         local = _TENSOR.findall(types.group(1))[0]
-        elements = _tensor_bytes(local) // _element_bytes(local)
+        elements = _elements(local)
         pad = elements - carried
         # A combined buffer is flat and padded by less than 1024 elements; an all-gather lowered to
         # an all-reduce writes its shard into a zero tensor of the gathered shape the same way.
-        if local.count("x") == 1 and elements % 1024 == 0 and 0 < pad < 1024:
+        if carried and local.count("x") == 1 and elements % 1024 == 0 and 0 < pad < 1024:
             n = _group_size(operands, sizes, 1, 1)
             padding += collective_cost(Collective.ALL_REDUCE, pad * _element_bytes(local), n, link).bytes
     return padding
@@ -242,6 +240,11 @@ def _group_size(operands, sizes, local_in: int, local_out: int) -> int:
 
 def _element_bytes(text: str) -> int:
     return DTYPE_BYTES.get(text.split("x")[-1], 4)
+
+
+def _elements(text: str) -> int:
+    """Elements of an MLIR ``tensor<AxBxf32>``."""
+    return _tensor_bytes(text) // _element_bytes(text)
 
 
 def training_step_programs(dump_dir: str) -> tuple[str, str]:

@@ -128,8 +128,6 @@ def _divisible(shape, split: TensorSplit, n: int) -> TensorSplit:
 def megatron_restriction(index: GraphIndex, num_devices: int) -> Callable[[NodeId, Option], bool]:
     wanted = megatron_layouts(index.graph, num_devices)
 
-    batch_dims = index.batch_dims(num_devices, reaching=True)
-
     def allowed(node: NodeId, option: Option) -> bool:
         if node.kind is NodeKind.VARIABLE:
             return option.var_split == wanted.get(node.name, REPLICATED)
