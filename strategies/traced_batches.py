@@ -467,7 +467,8 @@ class MeshBatches:
         self._dataset = dataset
         self._placer_of = placer_of
         self._iterator = None
-        self._layouts = None
+        self._layouts = None          # the plan's batch layouts
+        self._read_layouts = None     # the iterator's: the plan's, or whole where DTensorDataset cannot split
         self._first = None
         self.signature = None
 
@@ -497,21 +498,28 @@ class MeshBatches:
             size = int(tf.nest.flatten(self._first)[0].shape[0])
             layouts = tf.nest.map_structure(lambda v: placer.layout(tuple(v.shape)), self._first)
             split = all(layout.sharding_specs[0] == placer.batch_axis for layout in tf.nest.flatten(layouts))
-            if not split:
-                layouts = tf.nest.map_structure(lambda layout: dtensor.Layout.replicated(placer.mesh, layout.rank),
-                                                layouts)
-            self._layouts = layouts
+            replicated = tf.nest.map_structure(lambda layout: dtensor.Layout.replicated(placer.mesh, layout.rank),
+                                               layouts)
+            self._layouts = layouts if split else replicated
+            read_split = split and _splits_in_device_order(placer.mesh, placer.batch_axis)
+            if split and not read_split:
+                logging.info("TofuStrategy: the loop's batches are split over mesh axis %r, which is not the "
+                             "mesh's first; each device reads the whole batch and keeps its part (DTensor's "
+                             "dataset splits a batch right only over a mesh's first axis)", placer.batch_axis)
+            self._read_layouts = layouts if read_split else replicated
             with tf.init_scope():
-                dataset = dtensor.DTensorDataset(_full_batches(self._dataset, size), mesh=placer.mesh, layouts=layouts,
-                                                 global_batch_size=size, batch_dim=placer.batch_axis if split else None)
+                dataset = dtensor.DTensorDataset(_full_batches(self._dataset, size), mesh=placer.mesh,
+                                                 layouts=self._read_layouts, global_batch_size=size,
+                                                 batch_dim=placer.batch_axis if read_split else None)
                 self._iterator = iter(dataset)
         return self._iterator
 
     def next_eager(self):
         try:
-            return next(self._mesh_iterator())
+            batch = next(self._mesh_iterator())
         except tf.errors.OutOfRangeError:
             raise StopIteration from None
+        return self._in_plan_layouts(batch)
 
     def next_in_trace(self):
         if self._placer_of() is not None:
@@ -528,9 +536,31 @@ class MeshBatches:
         return tf.nest.pack_sequence_as(self._first, leaves)
 
     def _laid_out(self, batch):
-        """``batch``, read in the graph, pinned to the layouts its iterator gives (see the class)."""
+        """``batch``, read in the graph, pinned to the layouts its iterator gives (see the class),
+        then in the plan's."""
+        from tensorflow.experimental import dtensor
+        return self._in_plan_layouts(tf.nest.map_structure(dtensor.relayout, batch, self._read_layouts))
+
+    def _in_plan_layouts(self, batch):
+        """``batch`` as its iterator gives it, in the plan's batch layouts: where the iterator gives
+        it whole, each device keeps its part (a local slice, nothing moves)."""
+        if self._read_layouts is self._layouts:
+            return batch
         from tensorflow.experimental import dtensor
         return tf.nest.map_structure(dtensor.relayout, batch, self._layouts)
+
+
+def _splits_in_device_order(mesh, axis: str) -> bool:
+    """Whether ``DTensorDataset`` gives each device its part of a batch split over ``axis``.
+
+    It hands the local devices their parts in device order, each part to as many consecutive
+    devices as the mesh holds per batch part, which is the mesh's layout only where every axis
+    before ``axis`` has size 1: on a ``batch=2 x model=4`` mesh split over ``model``, devices
+    0 and 1 got part 0 where the mesh gives them parts 0 and 1, so copies DTensor treats as one
+    replicated value held other samples, and Model Garden's ``run_experiment`` trained on them
+    (tests/test_loop_batches.py)."""
+    names = list(mesh.dim_names)
+    return all(mesh.dim_size(name) == 1 for name in names[:names.index(axis)])
 
 
 def _full_batches(dataset, size: int):

@@ -83,6 +83,34 @@ def test_a_tf_range_loop_takes_a_batch_per_iteration_as_one_device():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_batch_split_over_a_later_mesh_axis_reaches_each_device_as_the_mesh_lays_it_out():
+    """A batch split over ``batch``, the second axis of a ``model=2 x batch=4`` mesh: device d
+    (mesh coordinates d // 4, d % 4) holds part d % 4. TensorFlow's DTensorDataset hands a split
+    batch's parts to the devices in device order, right only over a mesh's first axis: devices 0
+    and 1 got part 0, so copies DTensor treats as one value held other samples, and a step trained
+    on them (Model Garden's ``run_experiment``, whose loop reads batches so, moved 5% from one
+    device's loss in its first step under a plan splitting its batch over ``model`` of
+    ``batch=2 x model=4``). Each device now reads the whole batch and keeps its part."""
+    from tensorflow.experimental import dtensor
+    from tofu_tf.strategies.batches import BatchPlacer
+    from tofu_tf.strategies.traced_batches import MeshBatches
+    mesh = dtensor.create_mesh([("model", 2), ("batch", 4)], devices=[f"CPU:{i}" for i in range(8)])
+    samples = np.arange(16, dtype="float32").reshape(8, 2)
+    data = tf.data.Dataset.from_tensor_slices((samples, np.arange(8))).batch(8).repeat()
+    batches = MeshBatches(data, lambda: BatchPlacer(mesh, "batch"))
+    batches.start(next(iter(data)))
+
+    @tf.function
+    def read_in_the_graph():
+        return batches.next_in_trace()
+
+    for x, y in (batches.next_eager(), read_in_the_graph()):
+        for device, (x_part, y_part) in enumerate(zip(dtensor.unpack(x), dtensor.unpack(y))):
+            part = device % 4
+            np.testing.assert_array_equal(x_part.numpy(), samples[2 * part:2 * part + 2], err_msg=f"device {device}")
+            np.testing.assert_array_equal(y_part.numpy(), [2 * part, 2 * part + 1], err_msg=f"device {device}")
+
+
 def test_a_loop_after_batches_taken_another_way_is_refused():
     strategy, _, step, train = _under_strategy()
     iterator = iter(strategy.experimental_distribute_dataset(_dataset()))
