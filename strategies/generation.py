@@ -8,11 +8,14 @@ tensor for input 0 ... but was expecting a DTensor"). Here the model's
 ``make_generate_function`` is wrapped (the change ``generate_function_placed``): the program
 keras-hub makes is kept, and each call
 
-* lays the prompts out on the plan's mesh as the plan lays out a batch (split over its batch
-  axis where that divides the prompts, else replicated; ``tofu_tf.strategies.batches``), so the
-  decoding program runs with the weights where the plan put them: a weight the plan splits is
-  never gathered whole for decoding, and the cache takes the layout DTensor propagates from
-  the prompts and the weights;
+* lays the prompts out on the plan's mesh replicated, so the decoding program runs with the
+  weights where the plan put them: a weight the plan splits is never gathered whole for
+  decoding, and the cache takes the layout DTensor propagates from the prompts and the weights.
+  Not split over the batch axis: keras-hub's loop makes tensors whose batch dim is dynamic
+  (``ones_like`` of the sampled tokens), and DTensor cannot split those to meet a split batch
+  ("EmitAllScatter requires slice on input axis 0 which is dynamic"): a GPT-2 trained data
+  parallel failed there at its first ``generate`` of 8 prompts. Each device so decodes every
+  prompt (the work of the batch axis repeated; the memory of the prompts, not of the weights);
 * runs with Keras' ``slice_update`` written as a select of the padded update
   (``tofu_tf.tf.compat.keras_ops``): the cache's in-place update lowers to an op DTensor cannot
   lay out; the sampler's multinomial draw runs replicated (``tofu_tf.tf.compat.decoding``),
@@ -107,13 +110,14 @@ class PlacedGeneration:
         if not self._logged:
             self._logged = True
             mesh = {name: placer.mesh.dim_size(name) for name in placer.mesh.dim_names}
-            logging.info("TofuStrategy: %s generates with its prompts laid out on mesh %s (batch axis %s), the "
-                         "weights in their planned layouts", self._model_name, mesh, placer.batch_axis)
+            logging.info("TofuStrategy: %s generates with its prompts replicated on mesh %s (keras-hub's decoding "
+                         "makes tensors of a dynamic batch size, which DTensor cannot split), the weights in their "
+                         "planned layouts", self._model_name, mesh)
         moved = sampler_state_on_mesh(self._sampler, placer.mesh)
         if moved:
             logging.info("TofuStrategy: %s: the sampler's state (%s) moved onto the mesh, replicated",
                          self._model_name, ", ".join(moved))
-        placed = tf.nest.map_structure(placer.place, inputs)
+        placed = tf.nest.map_structure(batches_lib.BatchPlacer(placer.mesh, batch_axis=None).place, inputs)
         with compat_keras_ops.dtensor_expandable_ops(), calls.step_call_options(self._optimize_graph):
             outputs = self._function(placed, stop_token_ids=stop_token_ids)
         return tf.nest.map_structure(batches_lib.to_host, outputs)

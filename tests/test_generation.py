@@ -186,6 +186,26 @@ def test_generate_with_a_preprocessor_returns_one_devices_text(sampler):
 
 
 @pytest.mark.slow
+def test_generate_after_a_data_parallel_fit_decodes_a_batch_the_plan_would_split():
+    """GPT-2 with its tokenizer, trained under the default plan (data parallel on 8 CPUs), asked
+    for 8 prompts, which the plan's batch axis divides. The prompts went to the decoding program
+    split over it, and DTensor failed in keras-hub's loop, whose tensors of a dynamic batch size it
+    cannot split ("EmitAllScatter requires slice on input axis 0 which is dynamic"); they go
+    replicated now."""
+    strategy = TofuStrategy(num_gpus=8)
+    with strategy.scope():
+        lm = _gpt2(with_preprocessor=True)
+        lm.compile(optimizer=keras.optimizers.SGD(0.1), sampler="greedy")
+    lm.fit(["the cat sat on the mat", "a dog ran", "the dog sat", "a cat ran on a mat"] * 4, batch_size=8, verbose=0)
+    batch_axes = {layout[0] for layout in strategy.plan.input_layouts.values()}
+    assert batch_axes == {"batch"} and strategy.plan.mesh_shape["batch"] == 8, strategy.plan.input_layouts
+    prompts = ["the cat", "a dog", "the", "a cat ran", "dog", "the mat", "a", "sat on"]
+    reference = _one_device(lm, True, "greedy")
+    assert lm.generate(prompts, max_length=10, stop_token_ids=None) == \
+        reference.generate(prompts, max_length=10, stop_token_ids=None)
+
+
+@pytest.mark.slow
 def test_generate_before_any_step_plans_from_the_prompts():
     strategy = TofuStrategy(num_gpus=8, mesh_shape=MESH)
     with strategy.scope():
