@@ -64,10 +64,18 @@ class OpLayers:
         return self.by_signature.get((op_type, shape), ())
 
 
-def explained(error: Exception, *, model_name: str, kind: str, mesh_text: str, budget_text: str | None,
-              op_layers: OpLayers | None) -> PlanNotRunnableError | None:
-    """``PlanNotRunnableError`` for DTensor's refusal ``error`` of the ``kind`` step of
-    ``model_name`` under a plan on ``mesh_text``; None for any other error."""
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """What DTensor refused, as its text says: ``what`` (the op type, its global shape, its layers
+    and the layout it was given, as far as the text names them) and ``reason`` (DTensor's line,
+    each layout shortened to its sharding specs)."""
+
+    what: str
+    reason: str
+
+
+def refusal(error: Exception, op_layers: OpLayers | None = None) -> Refusal | None:
+    """The layout refusal ``error`` reports, or None for any other error."""
     text = str(error)
     lines = _ERROR_LINE.findall(text)
     if not lines or not any(marker in text for marker in _REFUSALS):
@@ -87,11 +95,21 @@ def explained(error: Exception, *, model_name: str, kind: str, mesh_text: str, b
         specs = _SPECS.search(text[operation.start():])
         if specs is not None:
             what += f" as ({specs.group(1).replace(',', ', ')})"
+    return Refusal(what, reason[:300])
+
+
+def explained(error: Exception, *, model_name: str, kind: str, mesh_text: str, budget_text: str | None,
+              op_layers: OpLayers | None) -> PlanNotRunnableError | None:
+    """``PlanNotRunnableError`` for DTensor's refusal ``error`` of the ``kind`` step of
+    ``model_name`` under a plan on ``mesh_text``; None for any other error."""
+    refused = refusal(error, op_layers)
+    if refused is None:
+        return None
     budget = f" under the memory budget of {budget_text} per device" if budget_text else ""
     return PlanNotRunnableError(
         f"DTensor cannot run the planned {kind} step of {model_name!r} on the mesh {mesh_text}{budget}: its "
-        f"layout propagation laid out {what}, which its SPMD expander refuses (\"{reason[:300]}\"). Nothing of "
-        "the step ran and no weight changed. The plan fixes the layouts of the weights and the batch; DTensor "
-        "lays out the ops between them, and on this mesh it chose one it cannot run. A plan on another mesh may "
-        "avoid it: give TofuStrategy a larger memory_budget_bytes (or none), or a mesh_shape= with one model "
-        "axis; strategy.plan.summary() shows the plan that failed.")
+        f"layout propagation laid out {refused.what}, which its SPMD expander refuses (\"{refused.reason}\"). "
+        "Nothing of the step ran and no weight changed. The plan fixes the layouts of the weights and the batch; "
+        "DTensor lays out the ops between them, and on this mesh it chose one it cannot run. A plan on another "
+        "mesh may avoid it: give TofuStrategy a larger memory_budget_bytes (or none), or a mesh_shape= with one "
+        "model axis; strategy.plan.summary() shows the plan that failed.")

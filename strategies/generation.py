@@ -37,7 +37,9 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.experimental import dtensor
 
+from tofu_tf.errors import TofuError
 from tofu_tf.strategies import batches as batches_lib
+from tofu_tf.strategies import expansion_errors
 from tofu_tf.tf import variables as variables_lib
 from tofu_tf.tf.compat import calls
 from tofu_tf.tf.compat import decoding
@@ -82,6 +84,11 @@ def install(model, placer_of: Callable[[], "batches_lib.BatchPlacer"], plan_from
     return True
 
 
+class GenerationNotRunnableError(TofuError, RuntimeError):
+    """DTensor refused to compile keras-hub's decoding program on the plan's layouts: nothing of
+    it ran, no weight changed."""
+
+
 class PlacedGeneration:
     """keras-hub's decoding program, called with its prompts on the mesh (see the module)."""
 
@@ -119,8 +126,28 @@ class PlacedGeneration:
                          self._model_name, ", ".join(moved))
         placed = tf.nest.map_structure(batches_lib.BatchPlacer(placer.mesh, batch_axis=None).place, inputs)
         with compat_keras_ops.dtensor_expandable_ops(), calls.step_call_options(self._optimize_graph):
-            outputs = self._function(placed, stop_token_ids=stop_token_ids)
+            try:
+                outputs = self._function(placed, stop_token_ids=stop_token_ids)
+            except tf.errors.OpError as error:
+                refused = expansion_errors.refusal(error)
+                if refused is None:
+                    raise
+                raise self._not_runnable(refused, placer.mesh) from None
         return tf.nest.map_structure(batches_lib.to_host, outputs)
+
+    def _not_runnable(self, refused: "expansion_errors.Refusal", mesh) -> GenerationNotRunnableError:
+        """The refusal named, with the ways that work. The decoding program is not planned: it runs
+        on the training plan's weight layouts, and keras-hub's key/value cache loop meets ops in
+        layouts the training step never had (a Transpose of a head-split cache: "SPMD needs
+        communication is not supported yet", keras-hub Gemma under its own layout map)."""
+        shape = " x ".join(f"{name}={mesh.dim_size(name)}" for name in mesh.dim_names)
+        return GenerationNotRunnableError(
+            f"DTensor cannot run keras-hub's decoding program of {self._model_name!r} on the plan's weight layouts "
+            f"(mesh {shape}): its layout propagation laid out {refused.what}, which its SPMD expander refuses "
+            f"(\"{refused.reason}\"). Nothing of it ran and no weight changed. Decoding runs on the weights where "
+            "training placed them; to generate now, generate from a one-device copy, its weights assembled on the "
+            "host: tofu_tf.strategies.export.one_device_copy(model).generate(...). A plan that splits fewer of "
+            "the attention weights (no layout_map, or another mesh_shape) may decode on the mesh.")
 
 
 def sampler_state_on_mesh(sampler, mesh: dtensor.Mesh) -> list[str]:

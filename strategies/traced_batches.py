@@ -39,7 +39,8 @@ function runs. Such a batch comes from a DTensor iterator instead (``MeshBatches
 ``DTensorDataset`` over the same dataset, whose iterator each iteration reads in the graph,
 every device receiving its part of the batch in the plan's batch layout (split over the plan's
 batch axis where it divides the batch, else replicated), as a fixed-shape distributed iterator
-does; a loop that reaches a partial last batch fails there, naming it (the loop's program has
+does (where that axis is not the mesh's first, each device reads the whole batch and keeps its
+part: ``_splits_in_device_order``); a loop that reaches a partial last batch fails there, naming it (the loop's program has
 one batch size). From then on every batch of that iterator, eager or traced, comes from it, so the stream
 stays one; it starts from the dataset's first batch, so it is refused when the iterator already
 gave batches another way. Taken before the plan exists (the loop's first ``run`` plans), the
