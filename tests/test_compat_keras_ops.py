@@ -213,7 +213,9 @@ try:
         got = tf.function(gradient)(*args)
     got = dtensor.relayout(got, dtensor.Layout.replicated(mesh, 2))
     print("RAN", np.abs(dtensor.unpack(got)[0].numpy() - want).max())
-except (tf.errors.UnknownError, tf.errors.InvalidArgumentError) as error:
+except (tf.errors.UnknownError, tf.errors.InvalidArgumentError, tf.errors.CancelledError) as error:
+    # DTensor runs the shards asynchronously: the shard's own error or the cancelled rendezvous of
+    # another may surface first (the shard's is logged either way)
     print("REFUSED", str(error).splitlines()[0][-200:])
     raise SystemExit(0)
 """
@@ -232,7 +234,7 @@ def test_a_top_k_gradient_on_a_split_batch_runs_rewritten(how):
                          timeout=300, env={**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "2"})
     tail = f"rc={out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     if how == "keras":      # when a TF upgrade fixes the expander, this fails: the rewrite can go
-        assert "REFUSED" in out.stdout and "does not index into shape" in out.stdout, tail
+        assert "REFUSED" in out.stdout and "does not index into shape" in out.stdout + out.stderr, tail
     else:
         assert out.returncode == 0 and "RAN 0.0" in out.stdout, tail
 
