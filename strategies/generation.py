@@ -15,7 +15,8 @@ keras-hub makes is kept, and each call
   (``ones_like`` of the sampled tokens), and DTensor cannot split those to meet a split batch
   ("EmitAllScatter requires slice on input axis 0 which is dynamic"): a GPT-2 trained data
   parallel failed there at its first ``generate`` of 8 prompts. Each device so decodes every
-  prompt (the work of the batch axis repeated; the memory of the prompts, not of the weights);
+  prompt (the work of the batch axis repeated; the memory of the prompts, not of the weights),
+  and the layers' input hints keep the batch whole too (``compat.layers.batch_whole``);
 * runs with Keras' ``slice_update`` written as a select of the padded update
   (``tofu_tf.tf.compat.keras_ops``): the cache's in-place update lowers to an op DTensor cannot
   lay out; the sampler's multinomial draw runs replicated (``tofu_tf.tf.compat.decoding``),
@@ -44,6 +45,7 @@ from tofu_tf.tf import variables as variables_lib
 from tofu_tf.tf.compat import calls
 from tofu_tf.tf.compat import decoding
 from tofu_tf.tf.compat import keras_ops as compat_keras_ops
+from tofu_tf.tf.compat import layers as compat_layers
 
 CHANGE_NAME = "generate_function_placed"
 
@@ -125,7 +127,8 @@ class PlacedGeneration:
             logging.info("TofuStrategy: %s: the sampler's state (%s) moved onto the mesh, replicated",
                          self._model_name, ", ".join(moved))
         placed = tf.nest.map_structure(batches_lib.BatchPlacer(placer.mesh, batch_axis=None).place, inputs)
-        with compat_keras_ops.dtensor_expandable_ops(), calls.step_call_options(self._optimize_graph):
+        with compat_keras_ops.dtensor_expandable_ops(), compat_layers.batch_whole(), \
+                calls.step_call_options(self._optimize_graph):
             try:
                 outputs = self._function(placed, stop_token_ids=stop_token_ids)
             except tf.errors.OpError as error:

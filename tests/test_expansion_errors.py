@@ -1,7 +1,7 @@
 """DTensor's refusal to compile a planned step is raised as ``PlanNotRunnableError``, naming
 the op, its layers, the plan's mesh and what to try, not as a page of MLIR.
 
-keras-hub Gemma planned under half its data-parallel peak (mesh model=4 x model1=2) failed in
+keras-hub Gemma planned under 40% of its data-parallel peak (mesh model=4 x model1=2) failed in
 its first step with DTensor's ``UnknownError`` ("SPMD expansion resulted in op output
 inconsistent with the provided layout"): propagation carried a head split onto the stacked dim
 of the rotary embedding's ``tf.stack``. That case runs in a child process (DTensor's state after
@@ -72,7 +72,7 @@ def test_op_layers_come_from_the_captured_step(tiny_mlp_graph):
     assert op.layer in layers.layers("MatMul", tuple(tiny_mlp_graph.tensors[op.outputs[0]].shape))
 
 
-_GEMMA_UNDER_HALF_ITS_PEAK = """
+_GEMMA_UNDER_40_PERCENT_OF_ITS_PEAK = """
 from tofu_tf.tf import devices
 devices.configure_virtual_cpus(8)
 import keras, numpy as np, tensorflow as tf
@@ -88,14 +88,15 @@ loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 keras.utils.set_random_seed(3)
 reference = family.build(64)
 spec = lambda a: tf.TensorSpec(a.shape, tf.as_dtype(a.dtype))
-graph = capture_training_step(reference, batch_size=8, loss=loss, optimizer="sgd",
+optimizer = lambda: keras.optimizers.SGD(0.05, momentum=0.9)
+graph = capture_training_step(reference, batch_size=8, loss=loss, optimizer=optimizer(),
                               features=tf.nest.map_structure(spec, x), labels=spec(y))
-budget = plan_graph(graph, num_devices=8, hardware="cpu-virtual").peak_memory_bytes // 2
+budget = int(plan_graph(graph, num_devices=8, hardware="cpu-virtual").peak_memory_bytes * 0.4)
 strategy = TofuStrategy(8, memory_budget_bytes=budget)
 with strategy.scope():
     model = family.build(64)
     model.set_weights(reference.get_weights())
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=loss)
+    model.compile(optimizer=optimizer(), loss=loss)
 try:
     model.fit(x, y, batch_size=8, verbose=0)
 except PlanNotRunnableError as error:
@@ -107,9 +108,9 @@ print("MESH", strategy.plan.mesh_shape)
 
 
 @pytest.mark.slow
-def test_gemma_under_half_its_data_parallel_peak_is_refused_with_the_reason_and_keeps_its_weights():
+def test_gemma_under_40_percent_of_its_data_parallel_peak_is_refused_with_the_reason_and_keeps_its_weights():
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2", "TOFU_PLAN_CACHE": "off"}
-    out = subprocess.run([sys.executable, "-c", _GEMMA_UNDER_HALF_ITS_PEAK], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _GEMMA_UNDER_40_PERCENT_OF_ITS_PEAK], cwd=ROOT, capture_output=True,
                          text=True, env=env, timeout=600)
     tail = f"rc={out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     assert out.returncode == 0, tail

@@ -27,6 +27,20 @@ VOCAB, SEQ = 64, 12
 MESH = {"batch": 2, "model": 4}
 
 
+def _strategy():
+    """On MESH, GPT-2's MLP kernels split over 'model' (column- then row-parallel) by a layout map,
+    the rest planned (the batch split over 'batch'): decoding reads split weights beside layer-input
+    hints that split the batch, which decoding keeps whole (``compat.layers.batch_whole``: without
+    it, "EmitAllScatter requires slice on input axis 0 which is dynamic"). The planner's own plan
+    for this small model on the CPU profile keeps every weight whole on this mesh."""
+    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), devices=[f"cpu:{i}" for i in range(8)])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*feedforward_intermediate_dense/kernel"] = (None, "model")
+    layout_map[".*feedforward_intermediate_dense/bias"] = ("model",)
+    layout_map[".*feedforward_output_dense/kernel"] = ("model", None)
+    return TofuStrategy(num_gpus=8, layout_map=layout_map)
+
+
 # -- the two changes, op by op (fast) ---------------------------------------------------------
 
 def test_the_cache_update_keeps_a_split_cache_split():
@@ -118,7 +132,7 @@ def _one_device(trained, with_preprocessor: bool, sampler: str):
 def trained_lm():
     """A GPT-2 trained 2 steps under TofuStrategy, its token ids given as keras-hub's
     ``preprocessor=None`` docs give them."""
-    strategy = TofuStrategy(num_gpus=8, mesh_shape=MESH)
+    strategy = _strategy()
     with strategy.scope():
         lm = _gpt2(with_preprocessor=False)
         lm.compile(optimizer=keras.optimizers.SGD(0.1),
@@ -169,7 +183,7 @@ def test_generate_with_a_partial_batch_of_prompts_and_stop_tokens(trained_lm):
 @pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["greedy", "top_k"])
 def test_generate_with_a_preprocessor_returns_one_devices_text(sampler):
-    strategy = TofuStrategy(num_gpus=8, mesh_shape=MESH)
+    strategy = _strategy()
     with strategy.scope():
         lm = _gpt2(with_preprocessor=True)
         lm.compile(optimizer=keras.optimizers.SGD(0.1), sampler=_sampler(sampler))
@@ -207,7 +221,7 @@ def test_generate_after_a_data_parallel_fit_decodes_a_batch_the_plan_would_split
 
 @pytest.mark.slow
 def test_generate_before_any_step_plans_from_the_prompts():
-    strategy = TofuStrategy(num_gpus=8, mesh_shape=MESH)
+    strategy = _strategy()
     with strategy.scope():
         lm = _gpt2(with_preprocessor=False)
         lm.compile(sampler="greedy")
@@ -239,7 +253,7 @@ def test_a_seq2seq_model_generates_one_devices_tokens():
                                                  intermediate_dim=128, max_sequence_length=SEQ)
         return keras_hub.models.BartSeq2SeqLM(backbone=backbone, preprocessor=None)
 
-    strategy = TofuStrategy(num_gpus=8, mesh_shape=MESH)
+    strategy = _strategy()
     with strategy.scope():
         lm = bart()
         lm.compile(optimizer=keras.optimizers.SGD(0.1),

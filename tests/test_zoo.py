@@ -45,7 +45,7 @@ UNDER_BUDGET = frozenset({"t5", "gemma", "llama", "mistral"})
 # Since the all-reduces on the gradients' side (an einsum's kernel gradient at its batch sum) share
 # that latency too, the cheapest CPU plans of these are data parallel (measured faster than their
 # sharded plans: bench/vs_mirrored.py); they run under this fraction of one device's step's peak.
-# Gemma's plans under half of it (batch=4 x model=2) and under half its data-parallel peak
+# Gemma's plans under half of it (batch=4 x model=2) and under 40% of its data-parallel peak
 # (model=4 x model1=2) fail inside DTensor, whose layout propagation gives an op a layout the plan
 # did not (an embedding lookup's output split on its features, the table whole; a rotary
 # embedding's stack split on the stacked dim): not fixed; the second is refused at its first step with

@@ -47,7 +47,7 @@ def data_parallel_restriction(index: GraphIndex, num_devices: int) -> Callable[[
                 f"data_parallel needs the batch ({shape[0] if shape else 'scalar'} in input {name!r}) to divide "
                 f"over {num_devices} devices; choose a batch size that is a multiple of {num_devices}")
 
-    batch_dims = index.batch_dims(num_devices, reaching=True)
+    batch_dims = index.batch_dims(num_devices)
 
     def allowed(node: NodeId, option: Option) -> bool:
         if node.kind is NodeKind.VARIABLE:

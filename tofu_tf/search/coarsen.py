@@ -202,7 +202,7 @@ class GraphIndex:
             self.tied_outputs[q] = tuple(sorted(set(self.tied_outputs.get(q, ())) | {k}))
         self.peak_live = self._peak_live(liveness)
         self._strategy_cache: dict[tuple[str, int], tuple[OpStrategy, ...]] = {}
-        self._batch_dims_cache: dict[tuple[int, bool], dict[str, frozenset[int]]] = {}
+        self._batch_dims_cache: dict[int, dict[str, frozenset[int]]] = {}
         self._tied_cache: dict[tuple, OpStrategy | None] = {}
         self._group_cache: dict[tuple, dict[str, OpStrategy] | None] = {}
         self.matrix_cache: dict[tuple, dict] = {}   # transfer tables: by (n, link), then by (splits, bytes)
@@ -505,16 +505,15 @@ class GraphIndex:
             self._tied_cache[key] = next((s for s in self.strategies(op_name, n) if same_splits(s, wanted)), None)
         return self._tied_cache[key]
 
-    def batch_dims(self, n: int, *, reaching: bool = False) -> dict[str, frozenset[int]]:
+    def batch_dims(self, n: int) -> dict[str, frozenset[int]]:
         """Per tensor, the dims that carry the batch: dim 0 of every batch input and, op by op,
-        the dims a strategy splits in its outputs when every tensor it splits in its inputs is
-        split on such a dim (made for axes of ``n`` devices, whose strategies it reads).
-        ``reaching``: also where the strategy splits, besides, inputs not known to carry the
-        batch (a batch tensor times a same-shaped tensor made from constants): every tensor the
-        batch reaches, for the data-parallel baseline; the planner's model axes keep the
-        strict rule."""
-        key = (n, reaching)
-        cached = self._batch_dims_cache.get(key)
+        the dims a strategy splits in its outputs when every tensor it splits in its inputs that
+        carries the batch is split on such a dim (made for axes of ``n`` devices, whose strategies
+        it reads). An input the batch does not reach does not count against it: a batch tensor
+        times a same-shaped tensor made from constants (an attention mask's select, a loss
+        gradient's scale) carries the batch in its product; counted, it hid every tensor after
+        such an op from the model axes' rule (``problem._splits_the_batch``)."""
+        cached = self._batch_dims_cache.get(n)
         if cached is not None:
             return cached
         tensors = self.graph.tensors
@@ -532,15 +531,13 @@ class GraphIndex:
             if op.name not in self._plain_set or not any(t in dims for t in op.inputs):
                 continue
             for strategy in self.strategies(op.name, n):
-                split = [(t, s.dim) for t, s in zip(op.inputs, strategy.inputs) if s.dim is not None]
-                if reaching:
-                    split = [(t, d) for t, d in split if t in dims]
+                split = [(t, s.dim) for t, s in zip(op.inputs, strategy.inputs) if s.dim is not None and t in dims]
                 if split and all(d in dims.get(t, ()) for t, d in split):
                     for t, s in zip(op.outputs, strategy.outputs):
                         if s.dim is not None:
                             dims.setdefault(t, set()).add(s.dim)
         out = {t: frozenset(d) for t, d in dims.items()}
-        self._batch_dims_cache[key] = out
+        self._batch_dims_cache[n] = out
         return out
 
     def strategies(self, op_name: str, n: int) -> tuple[OpStrategy, ...]:

@@ -31,6 +31,8 @@ instead (``tofu_tf.tf.variables.TofuVariable.scatter_add``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import types
 import weakref
@@ -334,6 +336,28 @@ def _einsum_contraction(layer, kernel_specs):
     return inputs, kernel_letters, outputs, tuple(specs)
 
 
+_BATCH_WHOLE = contextvars.ContextVar("tofu_batch_whole", default=False)
+
+
+@contextlib.contextmanager
+def batch_whole():
+    """Within it, the layer-input hints split no batch: they keep only the kernel's axes.
+
+    For programs whose batch the plan does not lay out: keras-hub's decoding loop (its prompts go
+    replicated, ``tofu_tf.strategies.generation``) makes tensors of a dynamic batch size, and a
+    hint splitting one over the batch axis is a slice DTensor cannot make ("requires slice on
+    input axis 0 which is dynamic") or a gather of it it cannot size."""
+    token = _BATCH_WHOLE.set(True)
+    try:
+        yield
+    finally:
+        _BATCH_WHOLE.reset(token)
+
+
+def _batch_axis_now(batch_axis):
+    return None if _BATCH_WHOLE.get() else batch_axis
+
+
 def _contraction_spec(letters, kernel_letters, specs, shape, batch_axis, mesh, dtensor):
     """Each dim on the kernel's axis for its letter, the leading dim on the batch axis (where the
     kernel does not use that axis and it divides the batch), the rest unsplit."""
@@ -342,6 +366,7 @@ def _contraction_spec(letters, kernel_letters, specs, shape, batch_axis, mesh, d
     for i, letter in enumerate(letters):
         if letter in kernel_letters and specs[kernel_letters.index(letter)] not in (None, "unsharded"):
             spec[i] = specs[kernel_letters.index(letter)]
+    batch_axis = _batch_axis_now(batch_axis)
     if spec[0] == dtensor.UNSHARDED and batch_axis is not None and batch_axis not in used and len(letters) > 1 \
             and shape[0] is not None and shape[0] % mesh.dim_size(batch_axis) == 0:
         spec[0] = batch_axis
@@ -378,6 +403,7 @@ def _gradient_in(outputs, layout, dtensor):
 def _batch_spec(shape, batch_axis, mesh, dtensor) -> list:
     """Batch dim on the batch axis when it divides, every other dim unsplit."""
     spec = [dtensor.UNSHARDED] * shape.rank
+    batch_axis = _batch_axis_now(batch_axis)
     if batch_axis is not None and shape.rank > 1 and shape[0] is not None \
             and shape[0] % mesh.dim_size(batch_axis) == 0:
         spec[0] = batch_axis
@@ -407,8 +433,9 @@ def _relayout_first_argument(call, row_axis, batch_axis, mesh, dtensor):
         rank = inputs.shape.rank
         spec = [dtensor.UNSHARDED] * rank
         spec[-1] = row_axis
-        if batch_axis is not None and batch_axis != row_axis and rank > 1 \
-                and inputs.shape[0] is not None and inputs.shape[0] % mesh.dim_size(batch_axis) == 0:
-            spec[0] = batch_axis            # a batch the axis does not divide runs replicated
+        batch = _batch_axis_now(batch_axis)
+        if batch is not None and batch != row_axis and rank > 1 \
+                and inputs.shape[0] is not None and inputs.shape[0] % mesh.dim_size(batch) == 0:
+            spec[0] = batch                 # a batch the axis does not divide runs replicated
         return call(dtensor.relayout(inputs, dtensor.Layout(spec, mesh)), *args, **kwargs)
     return hinted_call
