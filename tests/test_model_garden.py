@@ -179,3 +179,24 @@ def test_run_experiment_seeded_starts_from_one_devices_weights(tmp_path):
     got = _run(_mesh_strategy(), "train", got_dir, "", train_steps=2)
     _assert_same_summaries(got_dir, want_dir, ["train"])
     _assert_same_weights(got, want)
+
+
+def test_check_numerics_on_a_task_model_is_refused_without_its_builder_and_agrees_with_it():
+    """``ClassificationModel`` holds its backbone object in its config: the one-device copy that
+    ``check_numerics`` rebuilt from it shared 65 of its 67 weights with the sharded model (and
+    failed assigning a host value to a mesh variable). Such a rebuild is refused by name now; with
+    the task's own builder as ``clone=`` the check runs and one SGD step agrees."""
+    import tf_keras
+    from tofu_tf.strategies.numerics import NumericsCheckError
+    rng = np.random.RandomState(0)
+    x, y = rng.rand(16, SIZE, SIZE, 3).astype("float32"), rng.randint(0, CLASSES, 16).astype("int32")
+    task = _InMemoryImages(_params().task)
+    strategy = _mesh_strategy()
+    with strategy.scope():
+        model = task.build_model()
+        model.compile(optimizer=tf_keras.optimizers.SGD(0.05),
+                      loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(NumericsCheckError, match=r"shares 65 of its 67 weights"):
+        strategy.check_numerics(model, x, y, steps=1, batch_size=8)
+    report = strategy.check_numerics(model, x, y, steps=2, batch_size=8, clone=task.build_model)
+    assert report.ok(), report.summary()
