@@ -38,6 +38,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.experimental import dtensor
 
+from tofu_tf import plan_check
 from tofu_tf.errors import TofuError
 from tofu_tf.strategies import batches as batches_lib
 from tofu_tf.strategies import expansion_errors
@@ -143,7 +144,7 @@ class PlacedGeneration:
         on the training plan's weight layouts, and keras-hub's key/value cache loop meets ops in
         layouts the training step never had (a Transpose of a head-split cache: "SPMD needs
         communication is not supported yet", keras-hub Gemma under its own layout map)."""
-        shape = " x ".join(f"{name}={mesh.dim_size(name)}" for name in mesh.dim_names)
+        shape = plan_check.mesh_text({name: mesh.dim_size(name) for name in mesh.dim_names})
         return GenerationNotRunnableError(
             f"DTensor cannot run keras-hub's decoding program of {self._model_name!r} on the plan's weight layouts "
             f"(mesh {shape}): its layout propagation laid out {refused.what}, which its SPMD expander refuses "

@@ -411,8 +411,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         if self._plan is None:
             return None
         budget = self._options.memory_budget_bytes
-        mesh = "(" + ", ".join(f"{name}={size}" for name, size in self._plan.mesh_shape.items()) + ")"
-        return expansion_errors.explained(error, model_name=model_name, kind=kind, mesh_text=mesh,
+        return expansion_errors.explained(error, model_name=model_name, kind=kind,
+                                          mesh_text=plan_check.mesh_text(self._plan.mesh_shape),
                                           budget_text=plan_lib.format_bytes(budget) if budget else None,
                                           op_layers=self._op_layers)
 
