@@ -557,7 +557,7 @@ class _Search:
         per_mesh: dict[MeshSpec, _Candidate] = {}
         for candidate in sorted(fitting, key=lambda c: c.key(objective)):
             per_mesh.setdefault(candidate.mesh, candidate)
-        allowance = repair.Allowance()
+        allowance = repair.Allowance.for_ops(len(self.index.graph.ops))
         repaired = [self._repair(c, budget, objective, allowance) for c in list(per_mesh.values())[:_REPAIRED_MESHES]]
         return min(repaired, key=lambda c: c.key(objective))
 

@@ -31,11 +31,13 @@ from typing import Callable, Sequence
 
 from tofu_tf.search.problem import AxisDecision, AxisProblem
 
-# Passes over the moves, and how many plans the repairs of one search may price in all (a
-# count, not seconds: the plan must not depend on the machine's load). The repair must
-# stay a small part of the search: a GPT's step prices in about 10 ms here.
+# Passes over the moves, and how many plans the repairs of one search may price in all: a
+# count, not seconds (the plan must not depend on the machine's load), as many as price in
+# about as long whatever the graph (pricing is linear in its ops: a 2-layer GPT's 2k ops
+# price in about 10 ms here, so 1000 of them in 10 s).
 _MAX_PASSES = 3
-MAX_PRICED = 1000
+_OP_PRICINGS = 2_000_000     # plans priced x ops per plan
+_PRICED = (50, 1000)         # at least, at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +67,14 @@ class Move:
 class Allowance:
     """How many more plans the repairs of one search may price."""
 
-    def __init__(self, priced: int = MAX_PRICED):
+    def __init__(self, priced: int):
         self.left = priced
+
+    @classmethod
+    def for_ops(cls, num_ops: int) -> "Allowance":
+        """As many pricings as a graph of ``num_ops`` ops prices in the time 1000 of a 2k-op one take."""
+        low, high = _PRICED
+        return cls(max(low, min(high, _OP_PRICINGS // max(num_ops, 1))))
 
     def take(self) -> bool:
         if self.left <= 0:
@@ -102,7 +110,7 @@ def repair(axes: Sequence[AxisChoice], decisions: Sequence[AxisDecision], cost,
     kept a move, while ``allowance`` (shared by the repairs of one search) lets it price."""
     axes, decisions = list(axes), list(decisions)
     kept = 0
-    allowance = Allowance() if allowance is None else allowance
+    allowance = Allowance(_PRICED[1]) if allowance is None else allowance
     for _ in range(_MAX_PASSES):
         kept_before = kept
         moved_nodes: set[tuple[int, int]] = set()
