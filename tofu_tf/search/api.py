@@ -58,11 +58,16 @@ class _Candidate:
     path: tuple = ()     # per axis (role's problem, choice), as ``_Solved`` has it
 
     def key(self, objective: Objective) -> tuple:
-        if objective is Objective.MEMORY:
-            return (self.cost.memory.peak_bytes, self.cost.step_seconds)
-        if objective is Objective.COMM:
-            return (self.cost.comm_seconds, self.cost.memory.peak_bytes)
-        return (self.cost.step_seconds, self.cost.memory.peak_bytes)
+        return _cost_key(self.cost, objective)
+
+
+def _cost_key(cost: StepCost, objective: Objective) -> tuple:
+    """What ``objective`` ranks plans by, ties broken by the other figure."""
+    if objective is Objective.MEMORY:
+        return (cost.memory.peak_bytes, cost.step_seconds)
+    if objective is Objective.COMM:
+        return (cost.comm_seconds, cost.memory.peak_bytes)
+    return (cost.step_seconds, cost.memory.peak_bytes)
 
 
 def plan_graph(graph: ir.Graph, *, num_devices: int, memory_budget_bytes: int | None = None,
@@ -579,8 +584,7 @@ class _Search:
             return self.price(mesh, _Solved(tuple(decisions), False, 0.0)).cost
 
         def better(new, old) -> bool:
-            return new.memory.peak_bytes <= budget and \
-                _Candidate(mesh, (), new, False).key(objective) < _Candidate(mesh, (), old, False).key(objective)
+            return new.memory.peak_bytes <= budget and _cost_key(new, objective) < _cost_key(old, objective)
 
         built: dict = {}
         repaired = repair.repair(self._axis_choices(best, built), best.decisions, best.cost, price, better, tolerance,

@@ -188,9 +188,9 @@ def _moves(axes: Sequence[AxisChoice], decisions: Sequence[AxisDecision], tolera
                 continue
             for a in range(len(problem.nodes[u].options)):
                 for b in range(len(problem.nodes[v].options)):
-                    alone = min(single.get((u, a), float("inf")), single.get((v, b), float("inf")))
-                    if alone == float("inf") or (u, a) not in single or (v, b) not in single:
+                    if (u, a) not in single or (v, b) not in single:
                         continue
+                    alone = min(single[u, a], single[v, b])
                     delta = _delta(problem, choice, adjacent, {u: a, v: b})
                     if delta <= tolerance[k] and delta < alone - 1e-12:
                         moves.append(Move(k, (u, v), (a, b), delta))
