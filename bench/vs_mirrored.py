@@ -26,8 +26,9 @@ CPUs (or ``--num_devices`` GPUs):
   hardware profile ranked it first, and the gap is the cost model's.
 
 * ``--profile``: after the table's repeats, one more fit of each model under MirroredStrategy and
-  under TofuStrategy's data parallel runs under TensorFlow's profiler, and the op types whose
-  kernels' CPU time differs most between them are printed (``bench/step_profile.py``).
+  under TofuStrategy's data parallel (and under its own plan, where that measured slower than data
+  parallel) runs under TensorFlow's profiler, and the op types whose kernels' CPU time differs most
+  between them are printed (``bench/step_profile.py``).
 
     python bench/vs_mirrored.py [--models=mlp,cnn,gpt2] [--repeats=5] [--memory] [--profile]
 
@@ -61,7 +62,8 @@ flags.DEFINE_integer("batch_size", 16, "Global batch size.")
 flags.DEFINE_integer("num_devices", 8, "Devices (virtual CPUs when no GPU is visible).")
 flags.DEFINE_bool("memory", False, "Also measure each side's peak process memory in a fresh process.")
 flags.DEFINE_bool("profile", False, "Also profile MirroredStrategy's and TofuStrategy's data-parallel step "
-                  "and print where their kernels' time differs.")
+                  "(and TofuStrategy's own plan where it measured slower than data parallel) and print where "
+                  "their kernels' time differs.")
 flags.DEFINE_float("dp_limit", 1.05, "Largest TofuStrategy/MirroredStrategy steady ratio allowed where the "
                    "plan is data parallel.")
 flags.DEFINE_string("run_model", None, "Internal: train --run_model under --run_side once and print JSON.")
@@ -223,7 +225,9 @@ def main(argv):
             peaks = "|".join(f"{_peak_in_fresh_process(name, side):.0f}" for side in MEMORY_SIDES)
         if FLAGS.profile:
             profiles[name] = {}
-            for side in (same, "tofu_dp"):
+            # The planner's own plan too where it measured slower than data parallel: where its time goes.
+            profiled = (same, "tofu_dp") + (("tofu",) if ms["tofu"] > FLAGS.dp_limit * ms["tofu_dp"] else ())
+            for side in profiled:
                 with tempfile.TemporaryDirectory(prefix="vs_mirrored_") as trace_dir:
                     profiles[name][side] = _train(spec, side, x, y, profile_dir=trace_dir)[3]
         sync_ms = f"{ms['mirrored_sync']:>10.1f}" if synchronized else f"{'-':>10}"

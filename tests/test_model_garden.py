@@ -13,7 +13,17 @@ weights; ``train`` then resumes from its last checkpoint in a new run with a new
 Both strategies start from one initial checkpoint (the task's ``init_checkpoint``, read by the
 task's ``initialize`` as a fine-tuning run reads it), so the comparison does not depend on how a
 strategy draws initial values (issue #39). (Seeded with ``tf_keras.utils.set_random_seed`` instead,
-the two gave the same losses too.) Batch norm is synchronized (``use_sync_bn``), so MirroredStrategy's
+the two gave the same losses too.) The checkpoint-resume test draws that checkpoint with seed 0,
+always the same: at this learning rate (0.05, momentum 0.9, batches of 8) float32 itself is far
+from exact by the sixth step for some draws. Over seeds 0-11 (2026-12-07), one device's float32
+step-6 loss differed from TofuStrategy's by more than the 1e-4 below for 4 draws (2.1e-4 to
+1.4e-3), and for seeds 2 and 8 that is float32's own error: the same draws trained in float64
+(weights cast, loss in float64) gave 1.68143 and 1.6141 on one device, where float32 gave 1.68107
+and 1.61259 on one device, and in float64 TofuStrategy's summaries equalled one device's on all
+three seeds run (0, 2, 8). Seed 0's float32 loss is within 7e-6 of its float64 one. Unseeded, a CI
+run met such a draw (af6a5dd: 2.6226 against 2.6331 after step 4). The ``train_and_eval`` test
+stays unseeded: seeded, it meets the open bug ``test_train_and_eval_after_another_experiment_seeded``
+reproduces. Batch norm is synchronized (``use_sync_bn``), so MirroredStrategy's
 statistics are the global batch's, as one program's are under TofuStrategy.
 
 The reference is the default strategy (one device). MirroredStrategy over the 8 CPUs
@@ -23,11 +33,10 @@ The reference is the default strategy (one device). MirroredStrategy over the 8 
 with other MirroredStrategies of a test process (tests/test_orbit.py).
 
 Tolerances: losses at rtol 1e-4; weights at rtol 1e-3 / atol 5e-3; accuracies are not compared
-(top-5 of a near-random model's 10 logits flips on rounding). Usually the weights agree to 6e-6
-after 6 steps, but now and then, run after other experiments in one process, one output channel of
-a layer (the stem conv's channel 9 of 16, split over the model axis) or a resumed run came out
-2e-3 / 3e-4 away while the losses agreed to 1e-4; the plans were the same. Not yet explained
-(issue #36); a wrong update (a lost step, a 1/replicas scale) is far outside these tolerances.
+(top-5 of a near-random model's 10 logits flips on rounding). The weights agreed to 6e-6 after 6
+steps in the runs measured. (Before the draw was seeded, now and then one output channel of a layer or
+a resumed run came out 2e-3 / 3e-4 away, issue #36: what float32 does with such draws, above.) A
+wrong update (a lost step, a 1/replicas scale) is far outside these tolerances.
 
 Needs Model Garden (``tf-models-nightly``, installed without its dependencies) and the packages its
 trainer imports (gin-config, tensorflow-datasets, immutabledict, pycocotools, opencv-python-headless,
@@ -98,7 +107,12 @@ def _params(init_checkpoint="", train_steps=4):
     return params
 
 
-def _initial_checkpoint(directory):
+def _initial_checkpoint(directory, seed=None):
+    """The initial weights both runs read; drawn with ``seed`` where one is given (seed 0: a draw
+    whose float32 training stays close to exact arithmetic, the module's docstring)."""
+    if seed is not None:
+        import tf_keras
+        tf_keras.utils.set_random_seed(seed)
     task = _InMemoryImages(_params().task)
     return tf.train.Checkpoint(model=task.build_model()).write(os.path.join(directory, "initial"))
 
@@ -142,7 +156,7 @@ def _assert_same_weights(got, want):
 
 
 def test_run_experiment_train_with_checkpoints_as_one_device(tmp_path):
-    initial = _initial_checkpoint(str(tmp_path))
+    initial = _initial_checkpoint(str(tmp_path), seed=0)
     want_dir, got_dir = str(tmp_path / "one_device"), str(tmp_path / "tofu")
     _run(tf.distribute.get_strategy(), "train", want_dir, initial)
     _run(_mesh_strategy(), "train", got_dir, initial)
@@ -200,3 +214,31 @@ def test_check_numerics_on_a_task_model_is_refused_without_its_builder_and_agree
         strategy.check_numerics(model, x, y, steps=1, batch_size=8)
     report = strategy.check_numerics(model, x, y, steps=2, batch_size=8, clone=task.build_model)
     assert report.ok(), report.summary()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "open bug found 2026-12-07: seeded, and after another experiment in the process, TofuStrategy's first "
+    "train_and_eval update differs from one device's by 1-2% in every weight (the first loss agrees)"))
+def test_train_and_eval_after_another_experiment_seeded(tmp_path):
+    """Reproduces an open bug: a ``train_and_eval`` run whose initial checkpoint is drawn after
+    ``tf_keras.utils.set_random_seed(0)``, in a process that has run another experiment before
+    (here one device's ``train``), takes a different first update under TofuStrategy than on one
+    device: the first step's loss agrees to 1e-7, the update of every weight differs by 1-2% (its
+    direction, not a learning-rate scale), so the loss after two steps is 2.287322 against
+    2.288922. Found while bisecting (2026-12-07): the same in ``train`` mode agrees (12 seeds in a
+    row in one process); run first in its process, or unseeded, or seeding TensorFlow alone
+    (``tf.random.set_seed``), or after ``tf_keras.backend.clear_session()``, it agrees; a
+    batch=8 mesh differs the same way as batch=2 x model=4; without the L2 weight decay the
+    updates differ the same; the weights equal the checkpoint's right after the plan, and the step
+    holds no random op. Not yet explained. ``strict``: the test fails once the bug is fixed, to
+    be turned into a plain test."""
+    before = tmp_path / "before"
+    _run(tf.distribute.get_strategy(), "train", str(before / "run"), _initial_checkpoint(str(before), seed=0),
+         train_steps=2)
+    initial = _initial_checkpoint(str(tmp_path), seed=0)
+    want_dir, got_dir = str(tmp_path / "one_device"), str(tmp_path / "tofu")
+    _run(tf.distribute.get_strategy(), "train_and_eval", want_dir, initial, train_steps=2)
+    _run(_mesh_strategy(), "train_and_eval", got_dir, initial, train_steps=2)
+    want = _scalars(os.path.join(want_dir, "train"))["training_loss"]
+    got = _scalars(os.path.join(got_dir, "train"))["training_loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
