@@ -13,17 +13,20 @@ weights; ``train`` then resumes from its last checkpoint in a new run with a new
 Both strategies start from one initial checkpoint (the task's ``init_checkpoint``, read by the
 task's ``initialize`` as a fine-tuning run reads it), so the comparison does not depend on how a
 strategy draws initial values (issue #39). (Seeded with ``tf_keras.utils.set_random_seed`` instead,
-the two gave the same losses too.) The checkpoint-resume test draws that checkpoint with seed 0,
+the two gave the same losses too.) The checkpoint-resume test draws that checkpoint with seed 1,
 always the same: at this learning rate (0.05, momentum 0.9, batches of 8) float32 itself is far
 from exact by the sixth step for some draws. Over seeds 0-11 (2026-12-07), one device's float32
 step-6 loss differed from TofuStrategy's by more than the 1e-4 below for 4 draws (2.1e-4 to
 1.4e-3), and for seeds 2 and 8 that is float32's own error: the same draws trained in float64
 (weights cast, loss in float64) gave 1.68143 and 1.6141 on one device, where float32 gave 1.68107
 and 1.61259 on one device, and in float64 TofuStrategy's summaries equalled one device's on all
-three seeds run (0, 2, 8). Seed 0's float32 loss is within 7e-6 of its float64 one. Unseeded, a CI
-run met such a draw (af6a5dd: 2.6226 against 2.6331 after step 4). The ``train_and_eval`` test
-stays unseeded: seeded, it meets the open bug ``test_train_and_eval_after_another_experiment_seeded``
-reproduces. Batch norm is synchronized (``use_sync_bn``), so MirroredStrategy's
+three seeds run (0, 2, 8). Seed 1's draw: one device from weights one ulp away moves the step-6
+loss by 4e-7, TofuStrategy by 2.3e-6. Unseeded, a CI run met an unlucky draw (af6a5dd: 2.6226
+against 2.6331 after step 4). Seed 0's draw meets the open bug that
+``test_train_and_eval_after_another_experiment_seeded`` reproduces, where the suite has made
+BatchNormalization layers before (its stem's name then unique: that test's docstring); seed 1's
+agrees either way (checked with none and with five made before). The ``train_and_eval`` test
+stays unseeded, as it passed in every CI run. Batch norm is synchronized (``use_sync_bn``), so MirroredStrategy's
 statistics are the global batch's, as one program's are under TofuStrategy.
 
 The reference is the default strategy (one device). MirroredStrategy over the 8 CPUs
@@ -108,7 +111,7 @@ def _params(init_checkpoint="", train_steps=4):
 
 
 def _initial_checkpoint(directory, seed=None):
-    """The initial weights both runs read; drawn with ``seed`` where one is given (seed 0: a draw
+    """The initial weights both runs read; drawn with ``seed`` where one is given (seed 1: a draw
     whose float32 training stays close to exact arithmetic, the module's docstring)."""
     if seed is not None:
         import tf_keras
@@ -156,7 +159,7 @@ def _assert_same_weights(got, want):
 
 
 def test_run_experiment_train_with_checkpoints_as_one_device(tmp_path):
-    initial = _initial_checkpoint(str(tmp_path), seed=0)
+    initial = _initial_checkpoint(str(tmp_path), seed=1)
     want_dir, got_dir = str(tmp_path / "one_device"), str(tmp_path / "tofu")
     _run(tf.distribute.get_strategy(), "train", want_dir, initial)
     _run(_mesh_strategy(), "train", got_dir, initial)
