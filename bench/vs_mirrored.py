@@ -218,7 +218,8 @@ def main(argv):
         ratio = {key: statistics.median(values) for key, values in ratios.items()}
         if ratio["same"] > FLAGS.dp_limit:
             over.append(f"{name}: {ratio['same']:.2f}x")
-        if ms["tofu"] > FLAGS.dp_limit * ms["tofu_dp"]:
+        slower_than_dp = ms["tofu"] > FLAGS.dp_limit * ms["tofu_dp"]
+        if slower_than_dp:
             misranked.append(f"{name} ({plan.mesh_shape}: {ms['tofu'] / ms['tofu_dp']:.2f}x data parallel's step)")
         peaks = ""
         if FLAGS.memory:
@@ -226,7 +227,7 @@ def main(argv):
         if FLAGS.profile:
             profiles[name] = {}
             # The planner's own plan too where it measured slower than data parallel: where its time goes.
-            profiled = (same, "tofu_dp") + (("tofu",) if ms["tofu"] > FLAGS.dp_limit * ms["tofu_dp"] else ())
+            profiled = (same, "tofu_dp") + (("tofu",) if slower_than_dp else ())
             for side in profiled:
                 with tempfile.TemporaryDirectory(prefix="vs_mirrored_") as trace_dir:
                     profiles[name][side] = _train(spec, side, x, y, profile_dir=trace_dir)[3]
