@@ -68,6 +68,44 @@ def test_centered_normalization_trains_as_one_device(norm_layer):
     assert "normalization_centered" in {applied.change.name for applied in strategy.changes}
 
 
+class _ConvBlock(keras.layers.Layer):
+    """A convolution and a BatchNormalization named ``bn`` in every block, as Model Garden's
+    residual blocks name theirs alike."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.conv = keras.layers.Conv2D(8, 3, padding="same", use_bias=False)
+        self.bn = keras.layers.BatchNormalization(name="bn")
+
+    def call(self, inputs, training=None):
+        return tf.nn.relu(self.bn(self.conv(inputs), training=training))
+
+
+def _blocks_named_alike():
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.BatchNormalization(name="bn")(keras.layers.Conv2D(8, 3, padding="same")(inputs))
+    x = _ConvBlock(name="block_a")(_ConvBlock(name="block_b")(x))
+    return keras.Model(inputs, keras.layers.Dense(4)(keras.layers.GlobalAveragePooling2D()(x)))
+
+
+def test_every_batch_normalization_the_plan_gathers_is_gathered_whatever_its_name():
+    """Three BatchNormalization layers all named ``bn`` (the model's own and one in each block), the
+    plan computing each one's statistics whole (data parallel on the CPU profile): each takes its
+    input replicated, found by its path, and the step trains as one device does. Before, the layer
+    was found by its name alone: three ops ended in ``bn/moments/mean``, none was hinted, and DTensor
+    all-reduced partial sums the plan had not priced."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(3 * BATCH, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 4, size=(3 * BATCH,))
+    strategy, _, _ = fit_beside_one_device(_blocks_named_alike, _compile_sgd, x, y, rtol=1e-5, atol=1e-6)
+    plan = strategy.extended._plan  # pylint: disable=protected-access
+    means = {name: specs for name, specs in plan.op_strategies.items() if name.endswith("/moments/mean")}
+    assert len(means) == 3 and all(set(specs) == {"replicate"} for specs in means.values()), means  # the premise
+    hinted = {applied.target for applied in strategy.changes if applied.change.name == "statistics_input_relayout"}
+    assert hinted == {"bn", "block_b/bn", "block_a/bn"}, hinted
+
+
 def _one_sgd_step(model, x, y):
     """One SGD step of learning rate 1: (each trainable weight's gradient, the moving statistics after)."""
     before = [w.numpy() for w in model.trainable_weights]

@@ -284,7 +284,13 @@ def relayout_statistics_inputs(model, op_strategies, mesh) -> list[Applied]:
     layer inputs only, and inside the layer DTensor carries the input's batch split into the
     moments and all-reduces their partial sums: not the plan. The relayout makes the gather the
     plan priced explicit; the normalization itself still reads the input as it comes. The
-    change "statistics_input_relayout", one record per layer."""
+    change "statistics_input_relayout", one record per layer.
+
+    A layer's op is found by the layer's path from the model (the step's ops are named by the
+    name scopes of the calls that made them, the model's name first), never by the layer's name
+    alone: a name repeats wherever blocks name their layers alike (Model Garden's ResNet: every
+    residual block's ``batch_normalization``), and a layer's default name counts the layers the
+    process made before, so matching names alone made what runs depend on the process's history."""
     from tensorflow.experimental import dtensor
 
     hinted = []
@@ -292,8 +298,7 @@ def relayout_statistics_inputs(model, op_strategies, mesh) -> list[Applied]:
         if type(layer).__module__.split(".")[0] != "tf_keras" or not hasattr(layer, "_moments") \
                 or getattr(layer, "_tofu_statistics_hinted", False):
             continue
-        suffix = f"{layer.name}/moments/mean"
-        found = [name for name in op_strategies if name == suffix or name.endswith("/" + suffix)]
+        found = _ops_of(op_strategies, f"{model.name}/{path}/moments/mean")
         if len(found) != 1 or any(strategy != "replicate" for strategy in op_strategies[found[0]]):
             continue
         moments = layer._moments  # pylint: disable=protected-access
@@ -305,6 +310,12 @@ def relayout_statistics_inputs(model, op_strategies, mesh) -> list[Applied]:
         layer._tofu_statistics_hinted = True  # pylint: disable=protected-access
         hinted.append(Applied(change("statistics_input_relayout"), path, "batch statistics from the input replicated"))
     return hinted
+
+
+def _ops_of(op_strategies, scoped_name) -> list[str]:
+    """The ops of the plan named ``scoped_name``, under whatever scopes enclose the model's call
+    (a loop's body, a train step's)."""
+    return [name for name in op_strategies if name == scoped_name or name.endswith("/" + scoped_name)]
 
 
 _CONVOLUTIONS = frozenset({"Conv1D", "Conv2D", "Conv3D", "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D",
