@@ -106,13 +106,19 @@ def test_every_batch_normalization_the_plan_gathers_is_gathered_whatever_its_nam
     assert hinted == {"bn", "block_b/bn", "block_a/bn"}, hinted
 
 
-def _one_sgd_step(model, x, y):
-    """One SGD step of learning rate 1: (each trainable weight's gradient, the moving statistics after)."""
-    before = [w.numpy() for w in model.trainable_weights]
+def _sgd_steps(model, x, y, weight_sets):
+    """From each of ``weight_sets`` in turn, one SGD step of learning rate 1: [(each trainable
+    weight's gradient, the moving statistics after)]. One compile and one trace of the step serve
+    every set (SGD without momentum keeps no state between the steps)."""
     _compile_sgd(model, learning_rate=1.0)
-    model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
-    gradients = [b.astype("float64") - w.numpy().astype("float64") for b, w in zip(before, model.trainable_weights)]
-    return gradients, [w.numpy() for w in model.non_trainable_weights]
+    steps = []
+    for weights in weight_sets:
+        model.set_weights(weights)
+        before = [w.numpy() for w in model.trainable_weights]
+        model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+        gradients = [b.astype("float64") - w.numpy().astype("float64") for b, w in zip(before, model.trainable_weights)]
+        steps.append((gradients, [w.numpy() for w in model.non_trainable_weights]))
+    return steps
 
 
 def _largest_relative(got, want) -> list[float]:
@@ -152,22 +158,13 @@ def test_nasnet_layers_as_the_strategy_prepares_them_step_as_in_float64():
     y = rng.integers(0, 10, size=(8,))
     prepared = build()
     initial = prepared.get_weights()
-    exact = build("float64")
-    exact.set_weights([w.astype("float64") for w in initial])
-    want, _ = _one_sgd_step(exact, x, y)
-    fused = build()
-    fused.set_weights(initial)
-    fused_gradients, fused_statistics = _one_sgd_step(fused, x.astype("float32"), y)
-    spread = [0.0] * len(want)
-    for direction in (np.inf, -np.inf):
-        nudged = build()
-        nudged.set_weights([np.nextafter(w, np.asarray(direction, w.dtype)) for w in initial])
-        moved, _ = _one_sgd_step(nudged, x.astype("float32"), y)
-        spread = [max(a, b) for a, b in zip(spread, _largest_relative(moved, fused_gradients))]
-    prepared.set_weights(initial)
+    [(want, _)] = _sgd_steps(build("float64"), x, y, [[w.astype("float64") for w in initial]])
+    nudged = [[np.nextafter(w, np.asarray(direction, w.dtype)) for w in initial] for direction in (np.inf, -np.inf)]
+    (fused_gradients, fused_statistics), *moved = _sgd_steps(build(), x.astype("float32"), y, [initial, *nudged])
+    spread = [max(relative) for relative in zip(*(_largest_relative(gradients, fused_gradients) for gradients, _ in moved))]
     applied = {record.change.name for record in layers.prepare_layers(prepared)}
     assert {"batch_norm_unfused", "normalization_centered"} <= applied, applied
-    got, statistics = _one_sgd_step(prepared, x.astype("float32"), y)
+    [(got, statistics)] = _sgd_steps(prepared, x.astype("float32"), y, [initial])
     off = [(difference, allowed, v.name) for difference, allowed, v in
            zip(_largest_relative(got, want), [max(1e-3, 2 * s) for s in spread], prepared.trainable_weights)
            if difference >= allowed]
