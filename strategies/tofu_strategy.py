@@ -63,7 +63,9 @@ from tofu_tf.strategies import metric_runs
 from tofu_tf.strategies import pipeline_runner
 from tofu_tf.strategies import pipelined
 from tofu_tf.strategies import step_functions
+from tofu_tf.strategies import run_functions
 from tofu_tf.strategies import traced_batches
+from tofu_tf.strategies import variable_requests
 from tofu_tf.tf import devices as devices_lib
 from tofu_tf.tf import keras_adapter
 from tofu_tf.tf import lowering
@@ -627,9 +629,9 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
     def _create_own_variable(self, kwargs):
         initial_value = kwargs.pop("initial_value")
         dtype = kwargs.pop("dtype", None)
-        shape = _initial_shape(initial_value, kwargs.pop("shape", None))
-        dtype = tf.as_dtype(dtype) if dtype is not None else _initial_dtype(initial_value)
-        path = _scoped_path(kwargs.get("name"))
+        shape = variable_requests.initial_shape(initial_value, kwargs.pop("shape", None))
+        dtype = tf.as_dtype(dtype) if dtype is not None else variable_requests.initial_dtype(initial_value)
+        path = variable_requests.scoped_path(kwargs.get("name"))
         if self._lowered is None:
             compat_process.SUMMARY_PRINTER.refresh()    # tf-keras may be imported after the strategy was made
             compat_distributed_inputs.DISTRIBUTED_INPUTS.refresh()
@@ -701,8 +703,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         stage read them; the rest (metrics, Keras' counters) on the last stage."""
         placed, on_stages = [], []
         for variable in deferred:
-            layout = self._plan.layout_for(variable, keras_path(variable))
-            if layout is None and _is_seed_state(variable):
+            layout = self._plan.layout_for(variable, variable_requests.keras_path(variable))
+            if layout is None and variable_requests.is_seed_state(variable):
                 layout = self._plan.seed_state_layout(variable)
             if layout is None and (id(variable) in self._optimizer_owned or self._making_optimizer_state):
                 placed.append(variables_lib.materialize_on_host(variable))
@@ -717,11 +719,11 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         return placed
 
     def _layout_of(self, variable) -> dtensor.Layout:
-        quantized = compat_quantized.new_variable_layout(keras_path(variable), variable.shape)
+        quantized = compat_quantized.new_variable_layout(variable_requests.keras_path(variable), variable.shape)
         if quantized is not None:       # an int8 kernel or its scale, made by model.quantize
             return dtensor.Layout(list(quantized), self._lowered.mesh)
-        path = self._plan_names.get(id(variable)) or self._twin_name(keras_path(variable))
-        path = _plan_path(path, self._plan, variable.shape)
+        path = self._plan_names.get(id(variable)) or self._twin_name(variable_requests.keras_path(variable))
+        path = variable_requests.plan_path(path, self._plan, variable.shape)
         self._ledger.took(variable, path, variable.shape)
         read = self._lowered.read_layouts.get(path)
         if read is not None:
@@ -740,7 +742,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         if self._entries_checked or self._plan is None or (
                 optimizer is not None and not keras_adapter.optimizer_built(optimizer)):
             return
-        problems = self._ledger.problems(None if model is None else [_created_variable(w) for w in model.weights])
+        created = None if model is None else [variable_requests.created_variable(w) for w in model.weights]
+        problems = self._ledger.problems(created)
         if problems and self._plan_given:
             plan_check.raise_problems(
                 problems, "the plan given to TofuStrategy",
@@ -888,7 +891,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
             fn = metric_runs.metric_as_function(fn)
         args = tf.nest.map_structure(self._to_batch_layout, args)
         kwargs = tf.nest.map_structure(self._to_batch_layout, kwargs)
-        if _captures_off_mesh(fn):
+        if run_functions.captures_off_mesh(fn):
             return self._run_per_device(fn, args, kwargs)
         with self._container_strategy().scope(), _GlobalReplicaContext(self._container_strategy()), \
                 self._step_rewrites():
@@ -919,7 +922,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
                 "loaded outside strategy.scope()), inside a tf.function: load or create them inside "
                 "strategy.scope(), or call strategy.run eagerly (it then runs once per device)")
         name = getattr(fn, "name", getattr(fn, "__name__", "the function"))
-        if _writes_variables(fn):
+        if run_functions.writes_variables(fn):
             raise PlanningError(
                 f"the function passed to strategy.run ({name}) writes variables that are not on TofuStrategy's mesh "
                 "(a SavedModel loaded with tf.saved_model.load, in or outside strategy.scope()): run once per device, "
@@ -958,7 +961,8 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         """Plan at the first ``run``: Keras' own step function (``train_on_batch``) as the model
         is compiled; a custom loop's function as it is written (``capture_step_function``)."""
         model = keras_hooks.find_model(fn, strict=True) if model is not None else None
-        if model is None and not any(variable.trainable and _is_keras_weight(variable) for variable in self._deferred):
+        if model is None and not any(variable.trainable and variable_requests.is_keras_weight(variable)
+                                     for variable in self._deferred):
             self._adopt_data_parallel()
             return
         if model is None:
@@ -1023,7 +1027,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         Its variables (replicated, read by functions that carry no layouts of a plan) can be
         saved in a SavedModel as one device's (``TofuVariable._export_to_saved_model_graph``)."""
         plan = ModelFreePlan(self._devices.count)
-        trainable = [keras_path(variable) for variable in self._deferred if variable.trainable]
+        trainable = [variable_requests.keras_path(variable) for variable in self._deferred if variable.trainable]
         logging.warning("TofuStrategy: the function passed to strategy.run trains no Keras model (it reaches none, "
                         "and no Keras layer's weight was made in strategy.scope()): it runs data parallel over %d "
                         "devices, variables replicated%s. Plan a model before such a run to partition it.",
@@ -1096,22 +1100,6 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         device would cost what sharding saved."""
         value = _global_value(value)
         return (self._container_strategy()._whole(value) if tf.executing_eagerly() else value,)  # pylint: disable=protected-access
-
-
-def _created_variable(weight):
-    """The variable this strategy created behind a model's weight (Keras 3 wraps it in
-    ``.value``; tf-keras mixed precision in an ``AutoCastVariable``)."""
-    variable = keras_adapter.backing_variable(weight)
-    return getattr(variable, "_variable", variable)
-
-
-def _is_keras_weight(variable) -> bool:
-    """Whether a deferred variable is a Keras layer's (or optimizer's) weight: tf-keras's
-    ``add_weight`` binds its initializer to the shape (``functools.partial``), Keras 3 wraps it in a
-    closure over the Keras variable. A ``tf.Variable(value)`` of the user's (a ``tf.Module``'s, a
-    bare one) starts from a value."""
-    initial_value = variable._tofu_initial_value  # pylint: disable=protected-access
-    return isinstance(initial_value, functools.partial) or keras_adapter.keras3_shape_and_dtype(initial_value) is not None
 
 
 def _spec_of(value):
@@ -1202,65 +1190,6 @@ def _cross_replica(strategy):
         distribute_lib._pop_per_thread_mode()  # pylint: disable=protected-access
 
 
-def _concrete_functions_of(fn) -> list:
-    """The concrete functions behind ``fn`` whose captures are known before it runs: ``fn`` itself
-    (a SavedModel's signature), a function restored by ``tf.saved_model.load`` (a loaded module's
-    method; its ``concrete_functions``, the change "restored_function_read"), or a loaded object
-    called as a function (its ``__call__``). ``strategy.run``'s autograph wrapper holds ``fn`` in its
-    closure. A tf.function of the user's traces at its call, under the plan: none."""
-    candidates = [fn] + [cell.cell_contents for cell in getattr(fn, "__closure__", None) or ()]
-    for candidate in candidates:
-        if hasattr(candidate, "captured_inputs"):
-            return [candidate]
-        restored = _restored_concrete_functions(candidate)
-        if restored is None and not isinstance(candidate, type) and hasattr(type(candidate), "__call__"):
-            restored = _restored_concrete_functions(getattr(candidate, "__call__", None))
-        if restored:
-            return restored
-    return []
-
-
-def _restored_concrete_functions(fn):
-    from tensorflow.python.saved_model import function_deserialization   # the change "restored_function_read"
-    if isinstance(fn, function_deserialization.RestoredFunction):
-        return list(fn.concrete_functions)
-    return None
-
-
-def _off_mesh_resources(concrete) -> bool:
-    return any(tf.is_tensor(value) and value.dtype == tf.resource and not dtensor.is_dtensor(value)
-               for value in concrete.captured_inputs)
-
-
-def _captures_off_mesh(fn) -> bool:
-    """Whether ``fn`` (a SavedModel's signature, a loaded module or its method) captures a variable
-    that is not a DTensor, which a program on the mesh cannot read."""
-    return any(_off_mesh_resources(concrete) for concrete in _concrete_functions_of(fn))
-
-
-# Ops that write a resource variable: a function running once per device on its shard must not
-# (each device would apply its own update to the one variable).
-_WRITE_OPS = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
-_WRITE_PREFIXES = ("ResourceApply", "ResourceSparseApply", "ResourceScatter")
-
-
-# Whether each concrete function writes a variable, read once: ``run`` asks at every call.
-_WRITES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _writes_variables(fn) -> bool:
-    """Whether a concrete function behind ``fn`` (or a function it calls) writes a variable."""
-    return any(_concrete_writes(concrete) for concrete in _concrete_functions_of(fn))
-
-
-def _concrete_writes(concrete) -> bool:
-    if concrete not in _WRITES:
-        graph_def = concrete.graph.as_graph_def()
-        nodes = list(graph_def.node) + [node for function in graph_def.library.function for node in function.node_def]
-        _WRITES[concrete] = any(node.op in _WRITE_OPS or node.op.startswith(_WRITE_PREFIXES) for node in nodes)
-    return _WRITES[concrete]
-
-
 def _global_value(value):
     """The one global tensor behind a value ``run`` returned."""
     return value.get_dtensor() if isinstance(value, dtensor_util.DTensorDistributedValue) else value
@@ -1278,70 +1207,3 @@ def _as_distributed_value(value):
     if tf.is_tensor(value) and not isinstance(value, tf.Variable):
         return _GlobalDistributedValue(value)
     return value
-
-
-def _is_seed_state(variable) -> bool:
-    """A Keras 3 ``SeedGenerator``'s state (a Dropout's, a GaussianNoise's): in a pipeline it lives
-    on the mesh of the stage whose layer draws from it (``PipelinePlan.seed_state_layout``). On
-    another stage's mesh that stage's program could not read it (DTensor: "All inputs to
-    tf_device.Cluster must have same mesh"); on the host, each device's part of the program
-    advanced it once (8 draws a step on 8 devices)."""
-    return keras_path(variable).rsplit("/", 1)[-1].startswith("seed_generator_state")
-
-
-def keras_path(variable) -> str:
-    """The Keras path of a variable this strategy created (``dense/kernel``;
-    Keras 3 adds the model: ``sequential/dense/kernel``)."""
-    path = getattr(variable, "_tofu_path", None)
-    if path:
-        return path
-    name = variable.name
-    return name[:-2] if name.endswith(":0") else name
-
-
-def _scoped_path(name) -> str:
-    """The path a variable is being created under: the current name scope + its name."""
-    name = (name or "Variable").split(":")[0]
-    scope = tf.get_current_name_scope()
-    if scope and not name.startswith(scope + "/"):
-        return f"{scope}/{name}"
-    return name
-
-
-def _plan_path(path: str, plan, shape) -> str:
-    """The plan's name for a variable: its own path, or for an optimizer slot
-    (``Adam/m/dense/kernel``) the weight it tracks when the slot is unplanned."""
-    return lowering.planned_name(path, plan.variable_layouts, shape) or path
-
-
-def _initial_shape(initial_value, shape):
-    if shape is not None:
-        return tf.TensorShape(shape)
-    if isinstance(initial_value, functools.partial) and initial_value.args and initial_value.args[0] is not None:
-        return tf.TensorShape(initial_value.args[0])  # (a checkpoint's save_counter passes shape None)
-    if isinstance(initial_value, functools.partial) and initial_value.keywords.get("shape") is not None:
-        return tf.TensorShape(initial_value.keywords["shape"])   # a legacy tf-keras optimizer's slot
-    inner = getattr(initial_value, "shape", None)
-    if inner is not None:
-        return tf.TensorShape(inner)
-    keras3 = keras_adapter.keras3_shape_and_dtype(initial_value)
-    if keras3 is not None:
-        return keras3[0]
-    if callable(initial_value):
-        logging.warning("TofuStrategy: evaluating an initializer of unknown shape to learn its shape")
-        return tf.convert_to_tensor(initial_value()).shape
-    return tf.convert_to_tensor(initial_value).shape
-
-
-def _initial_dtype(initial_value):
-    if isinstance(initial_value, functools.partial):
-        dtype = initial_value.keywords.get("dtype")
-        if dtype is not None:
-            return tf.as_dtype(dtype)
-    dtype = getattr(initial_value, "dtype", None)
-    if dtype is not None:
-        return tf.as_dtype(dtype)
-    keras3 = keras_adapter.keras3_shape_and_dtype(initial_value)
-    if keras3 is not None:
-        return keras3[1]
-    return tf.convert_to_tensor(initial_value() if callable(initial_value) else initial_value).dtype

@@ -730,7 +730,7 @@ CHANGES: tuple[Change, ...] = (
         scope=Scope.READ, undone="nothing to undo",
         why="a loaded module's method reads variables off the mesh, which a DTensor program cannot read: "
             "strategy.run runs it once per device instead, and refuses it when it writes a variable",
-        packages=("tensorflow",), site="tofu_tf.strategies.tofu_strategy"),
+        packages=("tensorflow",), site="tofu_tf.strategies.run_functions"),
     Change(
         name="while_body_graph_read",
         replaces="nothing: reads whether a graph being traced is a while loop's body (its class, "
