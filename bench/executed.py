@@ -71,9 +71,21 @@ def _run_here():
     memory = plan.memory
     print(json.dumps({
         "modeled": {kind: cost.bytes for kind, cost in plan.comm_by_collective.items() if cost.bytes},
+        "modeled_runs": _modeled_runs(plan),
         "modeled_state": memory.weight_bytes + memory.optimizer_slot_bytes,
         "modeled_peak": plan.peak_memory_bytes,
         "state": state, "mesh": dict(plan.mesh_shape), "hardware": plan.hardware}))
+
+
+def _modeled_runs(plan) -> int | None:
+    """How many collectives the plan's price says the step runs, where the link pays its latency
+    once per collective (the CPU profile): each paid latency is one run (``tofu_tf.cost.combining``
+    makes the all-reduces DTensor combines share one). None on other links."""
+    from tofu_tf.cost import hardware
+    link = hardware.profile(plan.hardware).intra_node
+    if not link.latency_per_collective or not link.latency:
+        return None
+    return round((plan.comm_seconds - plan.comm_bytes / link.bandwidth) / link.latency)
 
 
 def _measure(name: str) -> dict:
@@ -125,6 +137,8 @@ def main(argv):
         kinds = "+".join(f"{count} {kind}" for kind, (count, _) in sorted(row["runs"].items())) or "none"
         if row["padding"]:
             kinds += f", and {row['padding'] / 1024:.1f} KiB of combine padding"
+        if row.get("modeled_runs") is not None:
+            kinds += f"; modeled: {row['modeled_runs']} runs"
         print(f"{name:<9}{'runs (lowered)':<16}{runs:>12}{sent / 1024:>13.1f}{modeled / 1024:>13.1f}{gap:>7.0%}"
               f"   {kinds}")
         state_gap = executed.gap(row["state"], row["modeled_state"])
@@ -136,7 +150,8 @@ def main(argv):
     print("dtensor ops: the collectives of DTensor's training-step program after SPMD expansion and CSE, priced "
           "as the cost model prices the plan's (bytes each device sends per step); runs (lowered): the collectives "
           "left after DTensor's lowering and all-reduce combining (less the zeros that pad each combined buffer to a "
-          "multiple of 1024 elements), against the plan's total; state/device: weights "
+          "multiple of 1024 elements), against the plan's total, and the runs the plan's price pays a latency for; "
+          "state/device: weights "
           "+ optimizer slots as placed; of step: a kind's gap as a share of the step's collective bytes (what "
           "--tolerance judges for a kind).")
     if gaps:

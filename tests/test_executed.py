@@ -44,13 +44,13 @@ def test_a_sharded_mlp_runs_the_one_all_reduce_its_plan_prices():
     """A 2 x 1024 MLP split Megatron-style: one all-reduce of the second layer's partial sums,
     executed with the bytes the cost model gives it (to 10%: the plan also reduces two bias
     gradients it computes from batch slices, 7 KiB that DTensor, computing them whole, does not
-    move), and the state placed as modeled."""
+    move), the one run the plan's price pays a latency for, and the state placed as modeled."""
     out, rows = _table("mlp")
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     count, expressed, modeled, gap = rows[("mlp", "all-reduce")][2:6]
     assert count == "1" and float(expressed) == pytest.approx(float(modeled), rel=0.1)
     runs = rows[("mlp", "runs")]                       # "runs (lowered)": what DTensor's lowering left
-    assert runs[3] == "1" and " ".join(runs[7:]) == "1 all-reduce"
+    assert runs[3] == "1" and " ".join(runs[7:]) == "1 all-reduce; modeled: 1 runs"
     assert float(runs[4]) == pytest.approx(float(runs[5]), rel=0.1)
     assert rows[("mlp", "state/device")][4] == "0%"
 

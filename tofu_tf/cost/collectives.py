@@ -33,8 +33,9 @@ DTensor also combines independent all-reduces into one (its all-reduce combining
 pass): the gradients' all-reduces of a step run as one or two (bench/executed.py:
 the data-parallel MLP's 7 as 1, Llama's 24 as 1). On a link that pays its latency
 per collective (``Link.combines_gradient_all_reduces``, the CPU profile, where that
-latency is milliseconds), a gradient's all-reduce pays only its bytes, and the
-step pays the latency once per mesh axis that all-reduces gradients. "A gradient" is
+latency is milliseconds), the step's price pays it once per collective DTensor runs
+(``tofu_tf.cost.combining``); here, where one conversion is priced alone (the axis
+problems), a gradient's all-reduce pays only its bytes. "A gradient" is
 any tensor on the weight-gradient side of the step (``gradient_side``): a kernel
 gradient summed over the batch and then reshaped (an einsum's, through
 ``BroadcastGradientArgs``) is all-reduced at the sum, before its reshapes, and runs

@@ -3,8 +3,9 @@
 Given a graph, a mesh and, for every op, the strategy it runs on each mesh
 axis (plus each variable's split per axis), this module prices the whole
 step: every conversion a tensor's readers ask for on every axis (once per
-tensor and layout, however many ops read it in that layout; the gradients'
-all-reduces sharing one latency where ``Link.combines_gradient_all_reduces``),
+tensor and layout, however many ops read it in that layout; the all-reduces DTensor
+runs as one sharing one latency where ``Link.combines_gradient_all_reduces``:
+``tofu_tf.cost.combining``),
 and the peak memory per device by liveness. It is the single definition of "what a plan
 costs" -- the search reports these numbers, and tests recompute them.
 
@@ -28,7 +29,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from tofu_tf import ir
-from tofu_tf.cost import collectives as collectives_lib
+from tofu_tf.cost import combining
 from tofu_tf.cost.collectives import Collective, collective_cost
 from tofu_tf.cost.compute import FLOP_OPS, FREE_OPS, is_split, op_work
 from tofu_tf.cost.hardware import HardwareProfile
@@ -96,7 +97,6 @@ class StepPricer:
         sources: dict[str, tuple | None] = {}      # per source tensor: what every use of it shares
         aliases, tensors, op_index, absent = self.aliases, graph.tensors, self._op_index, self._absent
         resource, dtype_bytes = ir.Role.RESOURCE, ir.DTYPE_BYTES
-        gradient_side = collectives_lib.gradient_side(graph)
         for i, op in enumerate(graph.ops):
             for j, name in enumerate(op.inputs):
                 source = aliases.get(name, name)
@@ -108,20 +108,24 @@ class StepPricer:
                     else:
                         made, index = made_by.get(source, (None, 0))
                         known = (op_index.get(made, absent), index, float(tensor.num_bytes),
-                                 layer_of.get(tensor.producer), len(sources), source in gradient_side)
+                                 layer_of.get(tensor.producer), len(sources))
                     sources[source] = known
                 if known is None:
                     continue
                 label = op.layer or known[3] or "(outside layers)"
-                uses.append((i, j, known[0], known[1], known[2], layers.setdefault(label, len(layers)), known[4],
-                             known[5]))
-        consumer, slot, producer, out, nbytes, layer, source, gradient = zip(*uses) if uses else ((),) * 8
+                uses.append((i, j, known[0], known[1], known[2], layers.setdefault(label, len(layers)), known[4]))
+        consumer, slot, producer, out, nbytes, layer, source = zip(*uses) if uses else ((),) * 7
         self._layers = tuple(layers)
         self._use_consumer, self._use_slot = np.asarray(consumer, dtype=np.int64), np.asarray(slot, dtype=np.int64)
         self._use_producer, self._use_out = np.asarray(producer, dtype=np.int64), np.asarray(out, dtype=np.int64)
         self._use_bytes, self._use_layer = np.asarray(nbytes, dtype=np.float64), np.asarray(layer, dtype=np.int64)
         self._use_source = np.asarray(source, dtype=np.int64)
-        self._use_gradient = np.asarray(gradient, dtype=bool)      # the tensor leads only to weight gradients
+        source_ids = {name: known[4] for name, known in sources.items() if known is not None}
+        dtypes: dict[str, int] = {}
+        self._source_dtype = np.zeros(len(sources), dtype=np.int64)
+        for name, sid in source_ids.items():
+            self._source_dtype[sid] = dtypes.setdefault(tensors[name].dtype, len(dtypes))
+        self._levels = combining.AllReduceLevels(graph, source_ids)
         live_producer, live_out = [], []
         for name in self.liveness.names:
             made, index = made_by.get(self.aliases.get(name, name), (None, 0))
@@ -181,11 +185,10 @@ class StepPricer:
         once = np.unique(np.column_stack([self._use_source[decided], dst]), axis=0, return_index=True)[1]
         once.sort()
         producer, out, nbytes, layer, dst, src = producer[once], out[once], nbytes[once], layer[once], dst[once], src[once]
-        gradient = self._use_gradient[decided][once]
         num_axes = len(sizes)
         dst_split = np.where(dst >= 0, sizes, 1)
         src_split = np.where(src >= 0, sizes, 1)
-        kinds, moved_bytes, seconds = [], [], []
+        kinds, moved_bytes, latencies = [], [], []
         for k in range(num_axes):
             before = np.prod(dst_split[:, :k], axis=1) if k else np.ones(len(dst), dtype=np.int64)
             after = np.prod(src_split[:, k + 1:], axis=1) if k + 1 < num_axes else np.ones(len(dst), dtype=np.int64)
@@ -195,21 +198,39 @@ class StepPricer:
                 kind[:] = -1
             kind[size <= 0] = -1
             factor, fixed = _collective_tables(int(sizes[k]), links[k])
-            moved = factor[kind] * size
-            latency = fixed[kind]
-            if links[k].combines_gradient_all_reduces:
-                # The gradients' all-reduces run as one: the first pays the latency for all.
-                combined = np.flatnonzero(gradient & (kind == _ALL_REDUCE))
-                latency[combined[1:]] = 0.0
-            kinds.append(kind), moved_bytes.append(moved)
-            seconds.append(latency + moved / links[k].bandwidth)
-        kind = np.stack(kinds, axis=1).ravel() if kinds else np.zeros(0, dtype=np.int64)
-        moved_bytes = np.stack(moved_bytes, axis=1).ravel() if kinds else np.zeros(0)
-        seconds = np.stack(seconds, axis=1).ravel() if kinds else np.zeros(0)
+            kinds.append(kind), moved_bytes.append(factor[kind] * size), latencies.append(fixed[kind])
+        if kinds:
+            kind, latency = np.stack(kinds, axis=1), np.stack(latencies, axis=1)
+            self._share_latencies(kind, latency, src, self._use_source[decided][once], links)
+            bandwidth = np.asarray([link.bandwidth for link in links])
+            seconds = (latency + np.stack(moved_bytes, axis=1) / bandwidth).ravel()
+            kind, moved_bytes = kind.ravel(), np.stack(moved_bytes, axis=1).ravel()
+        else:
+            kind, moved_bytes, seconds = np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0)
         layer = np.repeat(layer, num_axes)
         real = kind >= 0
         return (_totals(kind[real], moved_bytes[real], seconds[real], [c.value for c in _COLLECTIVES]),
                 _totals(layer[real], moved_bytes[real], seconds[real], self._layers))
+
+    def _share_latencies(self, kind: np.ndarray, latency: np.ndarray, src: np.ndarray, source: np.ndarray,
+                         links) -> None:
+        """Zero ``latency`` (``[conversion, axis]``) of each collective DTensor runs inside another
+        (``tofu_tf.cost.combining``), on axes whose link pays its latency once per collective: of the
+        all-reduces (and the all-gathers it runs as all-reduces) of one run, the first pays it."""
+        combined = np.zeros(kind.shape, dtype=bool)
+        for k, link in enumerate(links):
+            if link.combines_gradient_all_reduces:
+                combined[:, k] = (kind[:, k] == _ALL_REDUCE) | (link.gathers_by_all_reduce & (kind[:, k] == _ALL_GATHER))
+        rows, axes = np.nonzero(combined)                 # conversion-major, as the totals are summed
+        if len(rows) <= 1:
+            return
+        level_of = self._levels.levels(np.unique(source[rows]).tolist())
+        levels = np.asarray([level_of[s] for s in source[rows].tolist()], dtype=np.int64)
+        reduction = np.where(kind[rows, axes] == _ALL_REDUCE, src[rows, axes], _SUM_CODE)
+        runs = combining.run_groups(levels, axes, reduction, self._source_dtype[source[rows]])
+        first = np.zeros(len(rows), dtype=bool)
+        first[np.unique(runs, return_index=True)[1]] = True
+        latency[rows[~first], axes[~first]] = 0.0
 
     def _memory(self, codes: "_Codes", sizes: np.ndarray, var_splits) -> MemoryReport:
         made = codes.outputs[codes.rows[self._live_producer], self._live_out[:, None]]
@@ -223,7 +244,9 @@ class StepPricer:
 
 _COLLECTIVES = tuple(Collective)
 _ALL_REDUCE = _COLLECTIVES.index(Collective.ALL_REDUCE)
+_ALL_GATHER = _COLLECTIVES.index(Collective.ALL_GATHER)
 _REDUCTIONS = tuple(Reduction)
+_SUM_CODE = -2 - _REDUCTIONS.index(Reduction.SUM)       # an all-gather runs as a summing all-reduce
 
 
 def _code(split: TensorSplit) -> int:

@@ -48,8 +48,9 @@ class Link:
 
     @property
     def combines_gradient_all_reduces(self) -> bool:
-        """Whether the step's gradient all-reduces share one latency (DTensor combines them;
-        priced where the latency is per collective: ``tofu_tf.cost.collectives``)."""
+        """Whether the all-reduces DTensor combines share one latency in a plan's price (the
+        gradients' all-reduces, and any others of one level of dependence: priced so where the
+        latency is per collective, ``tofu_tf.cost.combining``)."""
         return self.latency_per_collective
 
     def __post_init__(self):

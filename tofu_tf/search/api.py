@@ -200,6 +200,8 @@ def _plan_graph(graph, num_devices, memory_budget_bytes, method, hardware, mesh_
         best = min((search.solve(m, 0.0) for m in meshes), key=lambda c: c.key(objective))  # fixed patterns
     else:
         best, meshes = _best_aligned_first(search, meshes, budget, objective, num_devices, mesh_shape)
+        if method is Method.TOFU and mesh_shape is None and not pinned_layouts and num_devices > 1:
+            best = _not_worse_than_data_parallel(best, search, solver, num_devices, budget, objective)
     plan = _to_plan(best, graph, method, objective, hardware, memory_budget_bytes,
                     time.perf_counter() - start, search, target, user_names=isinstance(mesh_shape, Mapping))
     every = len(ordered_factorizations(num_devices))
@@ -293,6 +295,32 @@ def _best_aligned_first(search: "_Search", meshes: list[MeshSpec], budget: int, 
         logging.info("tofu_tf planner: no plan over the %d meshes that follow the hosts fits %.2f GiB per device; "
                      "searching the other %d mesh shapes of %d devices", len(meshes), budget / 2**30, len(rest), n)
         return search.best_under_budget(meshes + rest, budget, objective), meshes + rest
+
+
+def _not_worse_than_data_parallel(best: "_Candidate", search: "_Search", solver, n: int, budget: int,
+                                  objective: Objective) -> "_Candidate":
+    """``best``, or the data-parallel plan where the step's cost model ranks that one first and it fits.
+
+    The axis problems price each collective alone; the step's price knows which ones DTensor runs
+    as one (``tofu_tf.cost.combining``). Where many small all-reduces of the forward pass (a
+    mixture-of-experts' router statistics) are independent, data parallelism runs them with the
+    gradients' in one collective while the axis problem charged each its latency, and a search
+    could return a sharded plan its own step price ranks behind data parallelism (keras-hub
+    Mixtral on the CPU profile, measured slower too: bench/vs_mirrored.py). Pricing the
+    data-parallel plan beside the search's costs one axis solve."""
+    try:
+        restrict = baselines.data_parallel_restriction(search.index, n)
+    except baselines.BaselineNotApplicableError:
+        return best
+    data_parallel = _Search(search.index, search.liveness, search.hardware, solver, restrict, search.work,
+                            SearchProgress(1, quiet_seconds=float("inf")), (AxisRole.ANY,),
+                            pricer=search.pricer).solve(MeshSpec((("batch", n),)), 0.0)
+    if data_parallel.cost.memory.peak_bytes <= budget and data_parallel.key(objective) < best.key(objective):
+        logging.info("tofu_tf planner: data parallelism steps in %.3f ms, the search's best plan (mesh %s) in "
+                     "%.3f ms: planning data parallelism", data_parallel.cost.step_seconds * 1e3,
+                     best.mesh.text(), best.cost.step_seconds * 1e3)
+        return data_parallel
+    return best
 
 
 def _mesh(sizes: tuple[int, ...]) -> MeshSpec:
@@ -413,12 +441,12 @@ class _Search:
     def __init__(self, index: GraphIndex, liveness: Liveness, hardware: HardwareProfile,
                  solver: _AxisSolver, restrict, work, progress: SearchProgress,
                  roles: Sequence[AxisRole] = (AxisRole.ANY,), pinned: Mapping[str, tuple] | None = None,
-                 refine: bool = False):
+                 refine: bool = False, pricer: StepPricer | None = None):
         self.index, self.liveness, self.hardware, self.work = index, liveness, hardware, work
         self.refine = refine
         self.pinned = pinned or {}
         self.progress, self.roles = progress, tuple(roles)
-        self.pricer = StepPricer(index.graph, liveness)
+        self.pricer = pricer or StepPricer(index.graph, liveness)
         self.solver, self.restrict = solver, restrict
         self._prefixes: dict[tuple, _Solved] = {}
         self._by_path: dict[tuple, _Solved] = {}
