@@ -55,6 +55,24 @@ def test_independent_all_reduces_share_one_latency_and_a_chain_pays_each(chained
         assert seconds == pytest.approx(moved / link.bandwidth + latencies * per_latency, rel=1e-9), name
 
 
+def test_an_all_gather_runs_in_the_all_reduce_of_its_level():
+    """DTensor lowers an all-gather to an all-reduce of a zero-padded buffer before its combining
+    pass: an all-gather and an all-reduce that do not depend on each other run as one."""
+    b = GraphBuilder(batch=8)
+    x = b.input("x", (8, 4))
+    b.op("relu_1", "Relu", (b.op("sum_1", "Sum", (x,), [(4,)]),), [(4,)])
+    b.op("relu_2", "Relu", (b.op("square", "Square", (x,), [(8, 4)]),), [(8, 4)])
+    graph = b.build()
+    whole = OpStrategy("whole", (REPLICATED,), (REPLICATED,))
+    strategies = {"x": (OpStrategy("S0", (), (BATCH,)),), "sum_1": (OpStrategy("d0", (BATCH,), (P_SUM,)),),
+                  "square": (OpStrategy("S0", (BATCH,), (BATCH,)),), "relu_1": (whole,), "relu_2": (whole,)}
+    hardware = profile("cpu-virtual")
+    cost = step_cost(graph, MeshSpec((("batch", 8),)), hardware, strategies, {})
+    assert set(cost.by_collective) == {"all-reduce", "all-gather"}
+    link = hardware.intra_node
+    assert cost.comm_seconds == pytest.approx(cost.comm_bytes / link.bandwidth + link.latency, rel=1e-9)
+
+
 def test_an_all_reduces_level_is_the_longest_chain_of_all_reduces_it_starts():
     graph, _ = _statistics_graph(chained=True)
     ids = {"sum_1:0": 0, "sum_2:0": 1, "x:0": 2}
