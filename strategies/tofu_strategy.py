@@ -177,7 +177,7 @@ class TofuStrategy(distribute_lib.Strategy):
             logging.info("TofuStrategy: %s", compat.Applied(compat_calls.CHANGE, "step programs",
                                                             f"grappler off ({device_set.device_type} mesh)"))
         options = _PlanOptions(memory_budget_bytes=memory_budget_bytes, mesh_shape=mesh_shape,
-                               hardware=_hardware_for(hardware, device_set),
+                               hardware=_hardware_for(hardware, device_set, combined=pipeline is None),
                                method=method, plan_cache=plan_cache, layout_map=layout_map, pipeline=pipeline,
                                graph_optimizations=graph_optimizations)
         super().__init__(_TofuExtended(self, device_set, options, plan))
@@ -302,12 +302,15 @@ class ModelFreePlan:
                 "(the first strategy.run trained no model)")
 
 
-def _hardware_for(hardware, device_set) -> "hardware_lib.HardwareProfile":
+def _hardware_for(hardware, device_set, *, combined: bool) -> "hardware_lib.HardwareProfile":
     """The profile to plan for: the user's (default: CPU virtual devices on CPU, H100 NVLink on
     GPUs), its node being one client of a multi-client run. The planner prices a mesh axis
     whose device groups span clients at the profile's inter-node link, so it keeps the
-    heavy splits inside a client."""
+    heavy splits inside a client. Not ``combined``: a pipelined strategy, whose process runs
+    each all-reduce alone (``compat.process.uncombine_all_reduces``), and is priced so."""
     chosen = hardware_lib.profile(hardware or ("cpu-virtual" if device_set.device_type == "CPU" else "h100-nvlink"))
+    if not combined:
+        chosen = hardware_lib.without_combining(chosen)
     if device_set.cluster.is_multi_client and chosen.devices_per_node != device_set.local_count:
         logging.info("TofuStrategy: planning for %s with %d devices per node (one client's), not %d",
                      chosen.name, device_set.local_count, chosen.devices_per_node)

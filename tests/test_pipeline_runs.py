@@ -124,6 +124,24 @@ def test_checkpoints_go_between_pipelined_and_plain_models(tmp_path):
     assert devices_of(model.layers[1].weights[0]).isdisjoint(devices_of(model.layers[-1].weights[0]))
 
 
+def test_a_stage_is_priced_with_each_all_reduce_alone_as_its_process_runs_them():
+    """A pipelined process runs DTensor with its all-reduce combining off (its stage functions need
+    it): each of a data-parallel stage's gradient all-reduces pays the CPU profile's latency, where
+    a whole-model step pays one for all. Before, the stages were priced as combined."""
+    from tofu_tf.cost.hardware import CPU_VIRTUAL
+    strategy = TofuStrategy(8, pipeline=4, mesh_shape={"batch": 2}, num_microbatches=2, hardware="cpu-virtual", method="data_parallel")
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x, y = data("mlp")
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
+    link = CPU_VIRTUAL.intra_node
+    for stage in strategy.plan.stages:       # each stage's backward all-reduces its gradients
+        all_reduce = stage.plan.comm_by_collective["all-reduce"]
+        latencies = (all_reduce.seconds - all_reduce.bytes / link.bandwidth) / link.latency
+        assert latencies == pytest.approx(round(latencies)) and round(latencies) >= len(stage.weight_paths) > 1
+
+
 def test_stage_counts_that_do_not_split_the_devices_are_refused():
     with pytest.raises(PipelineError, match="3 pipeline stages do not split 8 devices"):
         TofuStrategy(8, pipeline=3)

@@ -277,14 +277,15 @@ def test_gradient_all_reduces_share_one_latency_where_the_link_pays_it_per_colle
     used to pay it: data parallelism was overpriced and the CPU plans of the GPT and keras-hub
     Llama sharded weights, measured 1.5-2.2x slower than data parallel (bench/vs_mirrored.py).
     Now the combined all-reduce pays it once; on a ring link (h100) nothing changes."""
-    from tofu_tf.cost.hardware import profile
+    from tofu_tf.cost.hardware import profile, without_combining
     graph = mlp_graph()
     gradients = sum(1 for v in graph.variables.values() if v.gradient)
     assert gradients > 1
-    for name, combined in (("cpu-virtual", True), ("h100-nvlink", False)):
-        link = profile(name).intra_node
+    for name, combined in (("cpu-virtual", True), ("h100-nvlink", False), ("cpu-virtual uncombined", False)):
+        hardware = without_combining(profile("cpu-virtual")) if name.endswith("uncombined") else profile(name)
+        link = hardware.intra_node
         assert link.combines_gradient_all_reduces is combined
-        plan = plan_graph(graph, num_devices=4, method="data_parallel", hardware=name,
+        plan = plan_graph(graph, num_devices=4, method="data_parallel", hardware=hardware,
                           strategy_provider=stub_strategies)
         cost = plan.comm_by_collective["all-reduce"]
         per_latency = link.latency if link.latency_per_collective else 2 * 3 * link.latency

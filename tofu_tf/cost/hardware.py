@@ -34,6 +34,10 @@ class Link:
     all-gather over 2, 4 or 8 devices alike); ``latency_per_collective=True``
     charges ``latency`` once per collective for such links.
 
+    ``all_reduces_combined=False`` says DTensor's all-reduce combining pass is off in the
+    process that runs the plan (a pipelined TofuStrategy switches it off, as its stage functions
+    need): each collective then pays its own latency.
+
     DTensor runs an all-gather as an all-reduce of a zero-padded buffer and a
     reduce-scatter as an all-reduce and a slice, on GPUs and CPUs alike
     (``tofu_tf.cost.collectives``); ``gathers_by_all_reduce=True``, the default,
@@ -45,13 +49,15 @@ class Link:
     latency: float
     latency_per_collective: bool = False
     gathers_by_all_reduce: bool = True
+    all_reduces_combined: bool = True
 
     @property
     def combines_gradient_all_reduces(self) -> bool:
         """Whether the all-reduces DTensor combines share one latency in a plan's price (the
         gradients' all-reduces, and any others of one level of dependence: priced so where the
-        latency is per collective, ``tofu_tf.cost.combining``)."""
-        return self.latency_per_collective
+        latency is per collective, ``tofu_tf.cost.combining``, and the process runs DTensor's
+        combining pass: ``all_reduces_combined``, off in ``without_combining``'s profiles)."""
+        return self.latency_per_collective and self.all_reduces_combined
 
     def __post_init__(self):
         if self.bandwidth <= 0 or self.latency < 0:
@@ -116,6 +122,14 @@ CPU_VIRTUAL = HardwareProfile(
     flops=4e9, memory_bandwidth=0.5 * GB)                   # two host cores shared by the devices
 
 PROFILES = {p.name: p for p in (H100_NVLINK, H200_NVLINK, PCIE_GPU, CPU_VIRTUAL)}
+
+
+def without_combining(chosen: HardwareProfile) -> HardwareProfile:
+    """``chosen`` priced for a process whose DTensor runs every all-reduce alone (its combining
+    pass off): the same links with ``all_reduces_combined=False``."""
+    return dataclasses.replace(
+        chosen, intra_node=dataclasses.replace(chosen.intra_node, all_reduces_combined=False),
+        inter_node=dataclasses.replace(chosen.inter_node, all_reduces_combined=False))
 
 
 def profile(value: "HardwareProfile | str") -> HardwareProfile:
