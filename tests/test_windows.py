@@ -5,6 +5,8 @@ gradients, compute what one device computes and train under TofuStrategy.
 Before, InceptionV3 and NASNet (3x3 stride-1 "same" average pooling) were refused before their
 first step (DTensor has no layout propagation for ``AvgPoolGrad``), and a float64 depthwise
 convolution failed inside TensorFlow ("Gradients for grouped convolutions are not supported on CPU").
+A float64 depthwise convolution is one convolution with a block-diagonal filter where it can be
+(``tofu_tf.tf.compat.depthwise``): the slice sum made NASNetMobile's float64 step too large to compile.
 """
 
 import keras as keras3
@@ -66,6 +68,43 @@ def test_a_window_sum_computes_the_depthwise_convolution(dtype, strides, dilatio
     _assert_equal_to_rounding(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("strides, padding, multiplier", [
+    ((1, 1), "same", 1), ((2, 2), "same", 2), ((2, 2), "valid", 1), ((1, 1), "valid", 3)])
+def test_a_block_diagonal_convolution_computes_the_depthwise_convolution(dtype, strides, padding, multiplier):
+    """Output and both gradients of the ordinary convolution with a block-diagonal filter against
+    ``tf.nn.depthwise_conv2d``, to ``dtype``'s rounding."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(2, 9, 10, 3)).astype(dtype))
+    kernel = tf.constant(rng.normal(size=(3, 3, 3, multiplier)).astype(dtype))
+    want = _value_and_gradients(lambda: tf.nn.depthwise_conv2d(x, kernel, (1, *strides, 1), padding.upper()), x, kernel)
+    got = _value_and_gradients(lambda: depthwise.depthwise_as_block_diagonal_conv(
+        x, kernel, strides=strides, padding=padding, dilation_rate=(1, 1)), x, kernel)
+    _assert_equal_to_rounding(got, want, dtype)
+
+
+def _depthwise_op_types(channels: int, dilation=(1, 1)) -> list:
+    """The op types of a float64 7x7 depthwise convolution over ``channels`` channels as the
+    rewritten layers compute it, traced into a graph."""
+    conv = tf.function(lambda x, k: depthwise.depthwise_conv(x, k, strides=(1, 1), padding="same",
+                                                             dilation_rate=dilation))
+    graph = conv.get_concrete_function(tf.TensorSpec((2, 9, 9, channels), tf.float64),
+                                       tf.TensorSpec((7, 7, channels, 1), tf.float64)).graph
+    return [op.type for op in graph.get_operations()]
+
+
+@pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")), reason="a GPU has grouped gradients")
+def test_a_float64_depthwise_convolution_is_one_convolution_not_a_slice_per_tap():
+    """NASNetMobile's float64 check did not finish: each 7x7 depthwise convolution was 49 slices and
+    49 products (and their gradients), 145,726 ops a step. Now one ``Conv2D`` with a block-diagonal
+    filter; the slice sum stays past ``BLOCK_DIAGONAL_MAX_CHANNELS`` channels and where dilated."""
+    op_types = _depthwise_op_types(176)
+    assert op_types.count("Conv2D") == 1 and "StridedSlice" not in op_types and len(op_types) < 15
+    wide = _depthwise_op_types(depthwise.BLOCK_DIAGONAL_MAX_CHANNELS + 1)
+    assert "Conv2D" not in wide and wide.count("StridedSlice") >= 49
+    assert "Conv2D" not in _depthwise_op_types(8, dilation=(2, 2))
+
+
 def _pooling_model(keras):
     """InceptionV3's branch pooling (3x3, stride 1, "same") and a strided overlapping one."""
     keras.utils.set_random_seed(7)
@@ -99,24 +138,28 @@ def test_overlapping_average_pooling_trains_as_one_device(keras):
                                reference.predict(x[:13], batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-5)
 
 
-def _depthwise_model():
+def _depthwise_model(dilation=1):
     tf_keras.utils.set_random_seed(7)
     inputs = tf_keras.Input((8, 8, 4))
-    x = tf_keras.layers.DepthwiseConv2D(3, padding="same", depth_multiplier=2, name="dw")(inputs)
+    x = tf_keras.layers.DepthwiseConv2D(3, padding="same", depth_multiplier=2, dilation_rate=dilation,
+                                        name="dw")(inputs)
     x = tf_keras.layers.SeparableConv2D(8, 3, strides=2, name="sep")(tf_keras.layers.ReLU()(x))
     x = tf_keras.layers.GlobalAveragePooling2D()(x)
     return tf_keras.Model(inputs, tf_keras.layers.Dense(4, name="head")(x))
 
 
-def test_a_float64_depthwise_model_trains_as_one_device():
+@pytest.mark.parametrize("dilation", [1, 2], ids=["block_diagonal", "dilated_by_taps"])
+def test_a_float64_depthwise_model_trains_as_one_device(dilation):
     """The sweep's float64 check of EfficientNet and MobileNetV3: the grouped form's gradients have
-    no float64 CPU kernel, so the rewritten layers sum strided slices; one device runs TensorFlow's
-    own float64 depthwise kernels. Equal to float64 rounding."""
+    no float64 CPU kernel, so the rewritten layers compute a block-diagonal convolution (the dilated
+    ``dw`` layer: sum strided slices); one device runs TensorFlow's own float64 depthwise kernels.
+    Equal to float64 rounding."""
     assert not depthwise.grouped_gradients_run(tf.float64) or tf.config.list_logical_devices("GPU")
     tf_keras.backend.set_floatx("float64")
     try:
         x, y = _data((8, 8, 4), "float64")
-        strategy, _, _ = helpers.fit_beside_one_device(_depthwise_model, lambda m: _compile(tf_keras, m), x, y,
+        strategy, _, _ = helpers.fit_beside_one_device(lambda: _depthwise_model(dilation),
+                                                       lambda m: _compile(tf_keras, m), x, y,
                                                        rtol=1e-10, atol=1e-12)
     finally:
         tf_keras.backend.set_floatx("float32")

@@ -33,12 +33,19 @@ The layer's weights, config and saved form are unchanged.
 
 TensorFlow's CPU kernels for a grouped convolution's gradients are oneDNN's (on by default on
 x86), in float32 (and bfloat16) only; TensorFlow's own raise "Gradients for grouped convolutions
-are not supported on CPU" (float64, or ``TF_ENABLE_ONEDNN_OPTS=0``). Where no GPU is visible and
-the CPU cannot compute them in the input's dtype (``grouped_gradients_run``, probed once per dtype
-on two tiny tensors), the rewritten call computes the depthwise convolution as a sum of strided
-slices instead (``tofu_tf.tf.compat.windows.depthwise_by_taps``: ops every dtype has), so a
-float64 model trains too: the float64 check of ``tofu_tf.strategies.hub_sweep`` failed inside
-TensorFlow on EfficientNet and MobileNetV3, and a CPU without oneDNN refused every depthwise layer.
+are not supported on CPU" (float64, or ``TF_ENABLE_ONEDNN_OPTS=0``): the float64 check of
+``tofu_tf.strategies.hub_sweep`` failed inside TensorFlow on EfficientNet and MobileNetV3, and a
+CPU without oneDNN refused every depthwise layer. Where no GPU is visible and the CPU cannot
+compute them in the input's dtype (``grouped_gradients_run``, probed once per dtype on two tiny
+tensors), the rewritten call computes the depthwise convolution as one ordinary convolution whose
+filter is block-diagonal (``depthwise_as_block_diagonal_conv``: each input channel feeds only its
+own ``m`` outputs), whose gradients TensorFlow's CPU has in every float dtype. It costs ``C`` times
+the arithmetic and filter memory of the depthwise kernel, so past ``BLOCK_DIAGONAL_MAX_CHANNELS``
+channels, and for a dilated one where the CPU has no dilated gradients (float64), the call sums
+the window's strided slices instead (``tofu_tf.tf.compat.windows.depthwise_by_taps``): as much
+arithmetic as the depthwise kernel, but ``kh * kw`` slices and products, each with its gradient,
+which made NASNetMobile's float64 step (5x5 and 7x7 separable convolutions) 145,726 ops that did
+not compile in 45 minutes.
 """
 
 from __future__ import annotations
@@ -48,12 +55,17 @@ import functools
 import types
 from typing import Iterator
 
+import numpy as np
 import tensorflow as tf
 
 from tofu_tf.tf.compat import patching, windows
 from tofu_tf.tf.compat.registry import Applied, change
 
 DEPTHWISE_LAYERS = frozenset({"DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D"})
+
+# The block-diagonal form does ``C`` times the depthwise arithmetic and holds a ``C``-times larger
+# filter; past this many channels the slice sum (as much arithmetic, more ops) is kept.
+BLOCK_DIAGONAL_MAX_CHANNELS = 256
 
 
 def rewrite_depthwise(path: str, layer) -> Applied | None:
@@ -93,10 +105,29 @@ def depthwise_as_grouped_conv(inputs, kernel, *, strides, padding: str, dilation
                         dilations=(1, *dilation_rate, 1))
 
 
+def depthwise_as_block_diagonal_conv(inputs, kernel, *, strides, padding: str, dilation_rate):
+    """``tf.nn.depthwise_conv2d`` (NHWC) computed by one ordinary ``tf.nn.conv2d`` whose
+    ``(kh, kw, C, C*m)`` filter holds ``kernel[:, :, c, j]`` at input channel ``c``, output channel
+    ``c*m + j``, and zeros elsewhere: the kernel times a constant identity mask, reshaped."""
+    kh, kw, channels, multiplier = kernel.shape
+    mask = tf.constant(np.eye(channels).reshape(1, 1, channels, channels, 1), kernel.dtype)
+    filters = tf.reshape(tf.expand_dims(kernel, 3) * mask, (kh, kw, channels, channels * multiplier))
+    return tf.nn.conv2d(inputs, filters, strides=(1, *strides, 1), padding=padding.upper(),
+                        dilations=(1, *dilation_rate, 1))
+
+
 def depthwise_conv(inputs, kernel, *, strides, padding: str, dilation_rate):
     """The depthwise convolution the rewritten calls compute: ``depthwise_as_grouped_conv`` where
-    grouped gradients run in the input's dtype, ``windows.depthwise_by_taps`` elsewhere."""
-    conv = depthwise_as_grouped_conv if grouped_gradients_run(inputs.dtype) else windows.depthwise_by_taps
+    grouped gradients run in the input's dtype; else ``depthwise_as_block_diagonal_conv`` where an
+    ordinary convolution's gradients run and the kernel has at most ``BLOCK_DIAGONAL_MAX_CHANNELS``
+    channels; else ``windows.depthwise_by_taps``."""
+    if grouped_gradients_run(inputs.dtype):
+        conv = depthwise_as_grouped_conv
+    elif (kernel.shape[2] <= BLOCK_DIAGONAL_MAX_CHANNELS
+          and windows.conv_gradients_run(inputs.dtype, dilated=max(dilation_rate) > 1)):
+        conv = depthwise_as_block_diagonal_conv
+    else:
+        conv = windows.depthwise_by_taps
     return conv(inputs, kernel, strides=strides, padding=padding, dilation_rate=dilation_rate)
 
 

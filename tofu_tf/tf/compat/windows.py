@@ -19,8 +19,8 @@ count is a constant of the shapes, computed once in numpy.
 The same sum computes a depthwise convolution (``depthwise_by_taps``, each offset's slice times
 that offset's filter row) with ops that exist in every dtype: ``tofu_tf.tf.compat.depthwise``
 uses it where this process has no kernel for a grouped convolution's gradients in the input's
-dtype (CPU float64: the float64 check of ``tofu_tf.strategies.hub_sweep`` could not run on
-EfficientNet or MobileNetV3; CPU without oneDNN).
+dtype (CPU float64, CPU without oneDNN) and its block-diagonal form does not serve (a dilated
+convolution in float64, or more channels than that form is worth).
 
 "dilated_conv_in_conv2d": while a model the strategy prepared is called (as
 "depthwise_op_as_grouped_conv", ``tofu_tf.tf.compat.slices``), Keras 3's TensorFlow ``conv``
