@@ -135,8 +135,9 @@ CHANGES: tuple[Change, ...] = (
     Change(
         name="depthwise_as_grouped_conv",
         replaces="DepthwiseConv1D/2D and SeparableConv1D/2D call (channels_last) with the depthwise "
-                 "convolution as a grouped Conv2D (filter reshaped to (kh, kw, 1, C*m)), or as a sum of strided "
-                 "slices where this process has no grouped-convolution gradients in the input's dtype (CPU float64)",
+                 "convolution as a grouped Conv2D (filter reshaped to (kh, kw, 1, C*m)); where this process has no "
+                 "grouped-convolution gradients in the input's dtype (CPU float64), as a Conv2D with a "
+                 "block-diagonal filter (up to 256 channels, undilated) or a sum of strided slices",
         targets=("tf_keras.layers:DepthwiseConv2D.call", "keras.layers:DepthwiseConv2D.call",
                  "tf_keras.layers:SeparableConv2D.call", "keras.layers:SeparableConv2D.call",
                  "tf_keras.layers:DepthwiseConv1D.call", "keras.layers:DepthwiseConv1D.call",
