@@ -4,6 +4,7 @@ models of ``tofu_tf.models`` at sizes where the choice of plan shows, and the ke
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 HUB_WIDTH = 64
@@ -86,3 +87,53 @@ def synchronize_batch_norms(model) -> int:
                 layer.fused = False
             count += 1
     return count
+
+
+def load_balancing_modules(model) -> list:
+    """The keras-hub modules whose ``compute_load_balancing_loss`` a layer of ``model`` calls (the
+    mixture-of-experts decoders of Mixtral and the Qwen MoE families)."""
+    import sys
+    from tofu_tf.tf.keras_adapter import layer_paths
+    modules = {}
+    for _, layer in layer_paths(model):
+        module = sys.modules.get(type(layer).__module__)
+        if module is not None and callable(getattr(module, "compute_load_balancing_loss", None)):
+            modules[module.__name__] = module
+    return list(modules.values())
+
+
+@contextlib.contextmanager
+def global_load_balancing(model):
+    """While inside, the load-balancing loss of ``model``'s mixture-of-experts layers is computed
+    over the global batch under MirroredStrategy, as one device and TofuStrategy compute it.
+
+    keras-hub's loss multiplies the fraction of tokens routed to each expert by the mean router
+    probability of that expert, both means over the batch's tokens: under MirroredStrategy each
+    replica takes them over its own tokens, a different step (and cheaper: no collective in the
+    forward pass), the analogue of an unsynchronized BatchNormalization. Here each replica
+    all-gathers the router logits and the mask over the replicas and calls keras-hub's own function
+    on the global batch (the gradient of ``all_gather`` hands each replica its slice back). The
+    patch must hold while the training step is traced (``fit``), and is undone on leaving."""
+    import tensorflow as tf
+    patched = []
+
+    def gathered(original):
+        def compute_load_balancing_loss(router_logits, num_experts, top_k, attention_mask=None):
+            context = tf.distribute.get_replica_context()
+            if context is None or context.num_replicas_in_sync == 1:
+                return original(router_logits, num_experts, top_k, attention_mask)
+            router_logits = context.all_gather(router_logits, axis=0)
+            if attention_mask is not None:
+                attention_mask = context.all_gather(attention_mask, axis=0)
+            return original(router_logits, num_experts, top_k, attention_mask)
+        return compute_load_balancing_loss
+
+    try:
+        for module in load_balancing_modules(model):
+            original = module.compute_load_balancing_loss
+            patched.append((module, original))
+            module.compute_load_balancing_loss = gathered(original)
+        yield len(patched)
+    finally:
+        for module, original in patched:
+            module.compute_load_balancing_loss = original

@@ -21,6 +21,9 @@ CPUs (or ``--num_devices`` GPUs):
   BatchNormalization that is ``sync mirr``: MirroredStrategy with every BatchNormalization
   ``synchronized`` (statistics over the global batch, what one device and TofuStrategy compute);
   its default normalizes each replica's slice by its own statistics, a cheaper, different step.
+  So for keras-hub's mixture-of-experts load-balancing loss, whose token fractions and router
+  means MirroredStrategy takes over each replica's tokens: ``sync mirr`` takes them over the
+  global batch (``compared_models.global_load_balancing``).
   ``dp/same`` is the ratio against that side where the model has one, else against ``mirrored``; ``tofu``: the strategy's own plan (mesh in
   the last column). A plan measured slower than data parallel is listed after the table: the
   hardware profile ranked it first, and the gap is the cost model's.
@@ -100,6 +103,7 @@ def _strategy(side):
 def _train(spec, side, x, y, profile_dir=None):
     """(steady step seconds, per-device state bytes, mesh or None, op times or None) of one fresh
     model; the op times of one more epoch under the profiler when ``profile_dir`` is given."""
+    import contextlib
     import keras
     times = []
     strategy = _strategy(side)
@@ -109,26 +113,32 @@ def _train(spec, side, x, y, profile_dir=None):
         if side == "mirrored_sync":
             compared_models.synchronize_batch_norms(model)
         api = compared_models.compile_for_training(model)
+    global_statistics = contextlib.ExitStack()
+    if side == "mirrored_sync":
+        global_statistics.enter_context(compared_models.global_load_balancing(model))
 
     class StepEnds(api.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             times.append(time.perf_counter())
 
-    start = time.perf_counter()
-    model.fit(x, y, batch_size=FLAGS.batch_size, shuffle=False, verbose=0, callbacks=[StepEnds()])
-    steps = [b - a for a, b in zip([start] + times, times)]
+    with global_statistics:
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=FLAGS.batch_size, shuffle=False, verbose=0, callbacks=[StepEnds()])
+        steps = [b - a for a, b in zip([start] + times, times)]
+        op_times = None
+        if profile_dir:
+            op_times = step_profile.profile_fit(model, x, y, batch_size=FLAGS.batch_size, logdir=profile_dir)
     plan = getattr(strategy, "plan", None) if side == "tofu" else None
-    op_times = None
-    if profile_dir:
-        op_times = step_profile.profile_fit(model, x, y, batch_size=FLAGS.batch_size, logdir=profile_dir)
     return statistics.median(steps[2:]), step_measurement.placed_state_bytes(model), plan, op_times
 
 
-def _batch_norms(spec) -> int:
-    """How many BatchNormalization layers the model has (built once on one device)."""
+def _per_replica_statistics(spec) -> int:
+    """How many BatchNormalization layers and keras-hub load-balancing losses the model has (built
+    once on one device): statistics MirroredStrategy takes per replica by default."""
     import keras
     keras.utils.set_random_seed(0)
-    return compared_models.synchronize_batch_norms(spec.build())
+    model = spec.build()
+    return compared_models.synchronize_batch_norms(model) + len(compared_models.load_balancing_modules(model))
 
 
 def _peak_in_fresh_process(name, side):
@@ -198,7 +208,7 @@ def main(argv):
     for name in names:
         spec = specs[name]
         x, y = spec.data(FLAGS.batch_size * FLAGS.steps)
-        synchronized = _batch_norms(spec) > 0
+        synchronized = _per_replica_statistics(spec) > 0
         sides = [side for side in SIDES if synchronized or side != "mirrored_sync"]
         same = "mirrored_sync" if synchronized else "mirrored"
         steady = {side: [] for side in sides}
@@ -237,8 +247,8 @@ def main(argv):
               f"{state['mirrored'] / 1024:>10.0f}|{state['tofu'] / 1024:<8.0f}"
               + (f"{peaks:>19}" if FLAGS.memory else "") + f"  {plan.mesh_shape}", flush=True)
     print(f"medians of {FLAGS.repeats} fresh models per side, sides interleaved; tofu dp: TofuStrategy("
-          f"method='data_parallel'); sync mirr: MirroredStrategy with synchronized BatchNormalization (models "
-          f"with one); dp/same: tofu dp over the MirroredStrategy side computing the same step; tofu: "
+          f"method='data_parallel'); sync mirr: MirroredStrategy with batch statistics over the global batch "
+          f"(synchronized BatchNormalization, keras-hub's load-balancing loss; models with one); dp/same: tofu dp over the MirroredStrategy side computing the same step; tofu: "
           f"TofuStrategy's own plan; ratios: medians of each repeat's ratio of "
           f"steady steps; state/dev: weights + "
           f"optimizer slots per device as placed (MirroredStrategy | TofuStrategy's plan).")
