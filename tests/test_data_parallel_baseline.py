@@ -45,10 +45,9 @@ def test_a_kernel_gradients_reshapes_run_whole_after_its_all_reduce(name):
     assert moved["all-reduce"] <= 2 * 7 / 8 * gradients * 1.1      # each gradient once, and little besides
 
 
-def test_batch_normalization_moments_are_partial_sums_over_the_batch():
-    """Under the strategy (unfused BatchNormalization), data parallel: the moments' input stays
-    split on the batch and their sums are partial, all-reduced; before, the plan moved the input
-    to a split of its 8 channels (an all-to-all each way) to compute them per channel."""
+@pytest.fixture(scope="module")
+def cnn_data_parallel_plan():
+    """The CNN's data-parallel plan as the strategy makes it (its BatchNormalization unfused)."""
     strategy = TofuStrategy(8, plan_cache=False, method="data_parallel")
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(BATCH, 16, 16, 3)).astype("float32"), rng.integers(0, 10, BATCH)
@@ -56,9 +55,34 @@ def test_batch_normalization_moments_are_partial_sums_over_the_batch():
         model = models.cnn(image_size=16, channels=8)
         model.compile(optimizer="adam", loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=BATCH, verbose=0)
-    plan = strategy.plan
+    return strategy.plan
+
+
+def test_batch_normalization_moments_are_partial_sums_over_the_batch(cnn_data_parallel_plan):
+    """Under the strategy (unfused BatchNormalization), data parallel: the moments' input stays
+    split on the batch and their sums are partial, all-reduced; before, the plan moved the input
+    to a split of its 8 channels (an all-to-all each way) to compute them per channel."""
+    plan = cnn_data_parallel_plan
     means = [name for name in plan.op_strategies if name.endswith("bn_0/moments/mean")]
     assert len(means) == 1, sorted(plan.op_strategies)[:20]
     mean = plan.op_strategies[means[0]]
     assert means[0] + ":0" in plan.partial_tensors, (mean, plan.tensor_layouts.get(means[0] + ":0"))
     assert plan.comm_by_collective.get("all-to-all") is None or plan.comm_by_collective["all-to-all"].bytes < 1024
+
+
+def test_batch_normalization_statistics_run_whole_after_their_all_reduce(cnn_data_parallel_plan):
+    """After the moments' all-reduce, the per-channel statistics (the squeezes, the moving-average
+    updates, the scale and offset folded with them) run whole on every device, as DTensor and
+    MirroredStrategy run them: the plan moves tensors by all-reduce only. Before, the baseline let
+    no op run whole, so it split those 8-channel tensors over the batch axis, a reduce-scatter after
+    each moment and an all-gather before the normalization (bench/executed.py --models=cnn
+    --method=data_parallel: modeled 10 collective runs, 5 run, none of them reduce-scatters or
+    all-gathers); on the CPU profile their latencies priced data parallelism at twice its
+    step, and the search's own plan, which gathers the first normalization's input instead,
+    ranked ahead of it and measured slower (bench/vs_mirrored.py)."""
+    plan = cnn_data_parallel_plan
+    moved = {kind: cost.bytes for kind, cost in plan.comm_by_collective.items() if cost.bytes}
+    assert set(moved) == {"all-reduce"}, moved
+    squeezes = [name for name in plan.op_strategies if name.endswith("bn_0/moments/Squeeze")]
+    assert len(squeezes) == 1, sorted(plan.op_strategies)[:20]
+    assert plan.op_strategies[squeezes[0]] == ("replicate",)

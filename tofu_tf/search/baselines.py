@@ -1,18 +1,20 @@
 """Hand-written baselines as restrictions of the same search problem.
 
 * **data_parallel**: one ``batch`` axis over all devices; every batch input is
-  split on dim 0, every variable replicated, every op must run split (no op is
-  computed redundantly) without splitting a weight it reads or a gradient it
-  makes, and splitting a tensor that carries the batch only where it carries
-  it (``GraphIndex.batch_dims``), so the completion is the batch split with
-  gradient all-reduces: a BatchNormalization's moments are partial sums over
-  the batch, not their input moved to a split of its channels. An op
-  that makes only what one weight gradient is made of (the reshapes after a
-  kernel gradient's ``Sum`` over the batch, reading nothing that carries it) may
-  also run whole: data parallelism all-reduces that ``Sum`` and reshapes the
-  reduced gradient, as DTensor runs it, where splitting the reshape would price
-  a redistribution of a tensor that no longer carries the batch and a gather
-  before the update.
+  split on dim 0, every variable replicated, every op that reads the batch must
+  run split (none is computed redundantly) without splitting a weight it reads
+  or a gradient it makes, and splitting a tensor that carries the batch only
+  where it carries it (``GraphIndex.batch_dims``), so the completion is the
+  batch split with gradient all-reduces: a BatchNormalization's moments are
+  partial sums over the batch, not their input moved to a split of its
+  channels. An op that reads nothing carrying the batch may also run whole:
+  the reshapes after a kernel gradient's ``Sum`` over the batch, a
+  normalization's per-channel statistics after their all-reduce, the loss after
+  its mean. Data parallelism all-reduces the partial sum and computes on the
+  reduced tensor on every device, as DTensor and MirroredStrategy run it;
+  splitting such an op over the batch axis would price a redistribution of a
+  tensor that no longer carries the batch (a reduce-scatter) and a gather after
+  it, collectives DTensor never runs.
 * **megatron**: one ``model`` axis; Dense kernels alternate column (split the
   output dim) and row (split the input dim) parallel; in Transformer blocks
   attention q/k/v are column-parallel (split heads) and the output projection
@@ -55,7 +57,7 @@ def data_parallel_restriction(index: GraphIndex, num_devices: int) -> Callable[[
         if node.kind is NodeKind.INPUT:
             return option.label == "S0"
         if option.label == "replicate":
-            return _reshapes_a_reduced_gradient(index, node.name, batch_dims)
+            return _reads_no_batch(index, node.name, batch_dims)
         return not _splits_state(index, node.name, option) and _splits_batch_where_it_is(
             index.ops[node.name], option, batch_dims)
     return allowed
@@ -71,13 +73,13 @@ def _splits_batch_where_it_is(op: ir.Op, option: Option, batch_dims) -> bool:
     return True
 
 
-def _reshapes_a_reduced_gradient(index: GraphIndex, op_name: str, batch_dims) -> bool:
-    """Whether an op makes only what one weight gradient is made of (``GraphIndex.gradient_side``)
-    from inputs that no longer carry the batch: after the gradient's batch ``Sum``. (A kernel
-    gradient's matmul, on the gradient side too, reads the batch: whole, it would gather it.)"""
-    op = index.ops[op_name]
-    return bool(op.outputs) and all(name in index.gradient_side for name in op.outputs) \
-        and not any(batch_dims.get(name) for name in op.inputs)
+def _reads_no_batch(index: GraphIndex, op_name: str, batch_dims) -> bool:
+    """Whether no input of an op carries the batch: what it reads was reduced over the batch
+    (a kernel gradient after its ``Sum``, a moment after its mean: partial sums the option's
+    replicated inputs all-reduce) or never held it (weights, optimizer state). Run whole, it
+    computes on every device what data parallelism computes there. (An op that reads the
+    batch, whole, would gather it.)"""
+    return not any(batch_dims.get(name) for name in index.ops[op_name].inputs)
 
 
 _STATE_ROLES = frozenset({ir.Role.WEIGHT, ir.Role.OPTIMIZER_SLOT, ir.Role.GRADIENT})
