@@ -3,7 +3,6 @@
 Each measurement trains a model two steps in a fresh process with TensorFlow's MLIR dumps on and
 reads the training step's collectives back."""
 
-import json
 import os
 import subprocess
 import sys
@@ -77,14 +76,17 @@ def test_an_embeddings_deduplicated_gradient_is_priced_as_the_gather_dtensor_run
     assert float(expressed) == pytest.approx(float(modeled), rel=0.02), out.stdout
 
 
-def test_batch_statistics_the_plan_computes_whole_are_computed_whole():
-    """The CNN, data parallel on the CPU profile: the plan gathers BatchNormalization's input once and
-    computes its mean and variance on every device (one collective instead of two partial-sum
-    all-reduces, on a link that charges latency per collective). Before, DTensor carried the batch
-    split into the moments (the lowering pins only layer inputs) and all-reduced partial sums: the
-    all-gather was modeled (225.8 KiB) and never run."""
+def test_batch_statistics_run_as_partial_sums_as_the_plan_prices_them():
+    """The CNN on the CPU profile: the plan is data parallel, BatchNormalization's moments partial
+    sums all-reduced, and DTensor runs those all-reduces and nothing else. Until 2026-12-07 the plan
+    gathered the first normalization's input (225.8 KiB) and computed its statistics whole, which
+    DTensor ran (the lowering's ``statistics_input_relayout``, still covered by
+    tests/test_normalization.py) and which measured slower than data parallelism: the data-parallel
+    baseline it was compared with priced a reduce-scatter and an all-gather around each statistic
+    that DTensor never runs (tests/test_data_parallel_baseline.py)."""
     out, rows = _table("cnn")
-    assert _mesh(rows, "cnn") == "{'batch': 8}", out.stdout                          # the premise
-    count, expressed, modeled, gap = rows[("cnn", "all-gather")][2:6]
-    assert int(count) == 1 and float(expressed) == pytest.approx(float(modeled), rel=0.02), out.stdout
+    assert _mesh(rows, "cnn") == "{'batch': 8}", out.stdout
+    assert ("cnn", "all-gather") not in rows, out.stdout                             # nothing gathered
+    count, expressed, modeled, gap = rows[("cnn", "all-reduce")][2:6]
+    assert float(expressed) == pytest.approx(float(modeled), rel=0.05), out.stdout
     assert out.returncode == 0, out.stdout                                           # no gap over 10% left
