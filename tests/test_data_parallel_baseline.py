@@ -86,3 +86,19 @@ def test_batch_normalization_statistics_run_whole_after_their_all_reduce(cnn_dat
     squeezes = [name for name in plan.op_strategies if name.endswith("bn_0/moments/Squeeze")]
     assert len(squeezes) == 1, sorted(plan.op_strategies)[:20]
     assert plan.op_strategies[squeezes[0]] == ("replicate",)
+
+
+def test_a_routers_top_k_gradient_is_captured_and_priced_as_the_step_runs_it():
+    """keras-hub Mixtral's router: the strategy's step traces Keras 3's ``top_k`` with its gradient
+    by comparison and ``one_hot`` as an equality (``tofu_tf.tf.compat.keras_ops``), and capture now
+    traces them so too. Captured with the originals, ``top_k``'s gradient was a ``ScatterNd`` whose
+    output, partial over the batch, was reshaped split: a reduce-scatter a layer priced (7 KiB and a
+    2 ms latency each on the CPU profile) that DTensor never ran (bench/executed.py: 4 collective runs
+    priced, 2 run)."""
+    graph = _captured_hub_step("mixtral")
+    kinds = graph.op_type_counts()
+    assert "ScatterNd" not in kinds and "OneHot" not in kinds, sorted(kinds)
+    assert "TopKV2" in kinds                                                   # the router is there
+    plan = plan_graph(graph, num_devices=8, method="data_parallel", hardware="cpu-virtual")
+    moved = {kind: cost.bytes for kind, cost in plan.comm_by_collective.items() if cost.bytes}
+    assert set(moved) == {"all-reduce"}, moved

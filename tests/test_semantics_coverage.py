@@ -47,9 +47,11 @@ _APPLICATIONS = {
 
 class _TopKRouter(keras.layers.Layer):
     """Routing weights of each token over all experts from its top-k router
-    probabilities, spread twice: by ``one_hot`` of the chosen experts, as
-    keras-hub's Mixtral does, and by ``tf.scatter_nd`` at (token, expert)
-    coordinates, so both lookups and their gradients are in the step."""
+    probabilities, spread twice: by ``tf.one_hot`` of the chosen experts, and by
+    ``tf.scatter_nd`` at (token, expert) coordinates, so both lookups and their
+    gradients are in the step. (TensorFlow's own ``one_hot``: Keras 3's
+    ``ops.one_hot``, which keras-hub's Mixtral calls, is traced as an equality, as
+    the strategy's step runs it: ``tofu_tf.tf.compat.keras_ops``.)"""
 
     def __init__(self, experts: int, k: int, **kwargs):
         super().__init__(**kwargs)
@@ -60,7 +62,7 @@ class _TopKRouter(keras.layers.Layer):
         tokens = ops.shape(logits)[0]
         top_p, top_i = ops.top_k(ops.softmax(logits, axis=-1), k=self.k)
         top_p = top_p / ops.sum(top_p, axis=-1, keepdims=True)
-        by_one_hot = ops.sum(ops.one_hot(top_i, self.experts) * top_p[..., None], axis=1)
+        by_one_hot = ops.sum(tf.one_hot(top_i, self.experts) * top_p[..., None], axis=1)
         rows = ops.broadcast_to(ops.arange(tokens)[:, None], (tokens, self.k))
         by_scatter = tf.scatter_nd(ops.stack([rows, top_i], axis=-1), top_p, (tokens, self.experts))
         return by_one_hot + by_scatter

@@ -37,6 +37,7 @@ from tensorflow.python.ops import resource_variable_ops
 from tofu_tf import ir
 from tofu_tf.search import targets
 from tofu_tf.tf import keras_adapter, update_stamps
+from tofu_tf.tf.compat import keras_ops as compat_keras_ops
 from tofu_tf.tf.compat import legacy_dense
 
 _CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
@@ -126,7 +127,7 @@ def capture_training_step(model, *, batch_size: int, loss, optimizer, labels: tf
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     framework = keras_adapter.framework_of(model)
-    with keras_adapter.recording_layer_scopes(framework, model) as layers:
+    with keras_adapter.recording_layer_scopes(framework, model) as layers, _as_the_step_runs():
         traced = _trace(model, framework, batch_size, loss, optimizer, labels, features,
                         stamp_updates=not trace_each_update)
     return _translated(traced, layers, batch_size, framework)
@@ -151,10 +152,20 @@ def capture_step_function(step_fn, arg_specs, *, model, optimizer, trace_each_up
     """
     framework = keras_adapter.framework_of(model)
     batch_size = _leading_dim(arg_specs)
-    with keras_adapter.recording_layer_scopes(framework, model) as layers:
+    with keras_adapter.recording_layer_scopes(framework, model) as layers, _as_the_step_runs():
         traced = _trace_step_function(step_fn, arg_specs, model, framework, optimizer,
                                       stamp_updates=not trace_each_update)
     return _translated(traced, layers, batch_size, framework)
+
+
+def _as_the_step_runs():
+    """Keras 3's ops traced as a TofuStrategy step traces them (``compat.keras_ops``: ``top_k``'s
+    gradient by comparison, ``one_hot`` as an equality, ``split``, ``roll`` and ``slice_update`` as
+    slices and selects), so the plan prices the ops DTensor runs. Traced with the originals, a
+    router's ``top_k`` gradient was a ``ScatterNd`` partial over the batch, priced as a
+    reduce-scatter that never ran (keras-hub Mixtral, ``bench/executed.py``). The step's other
+    rewrites need the plan's mesh and change no op the plan prices."""
+    return compat_keras_ops.dtensor_expandable_ops()
 
 
 def _translated(traced: "_TraceResult", layers, batch_size: int, framework: str) -> ir.Graph:

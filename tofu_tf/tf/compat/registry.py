@@ -457,8 +457,9 @@ CHANGES: tuple[Change, ...] = (
                  "thread (a step's trace, "
                  "and a keras-hub decoding program's: tofu_tf.strategies.generation)",
         targets=("keras.src.backend.tensorflow.core:slice_update",),
-        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
-                                  "error; other threads see the original",
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, or capture "
+                                  "from tracing a step for planning (tofu_tf.tf.capture), also on error; other "
+                                  "threads see the original",
         why="DTensor has no layout propagation for XlaDynamicUpdateSlice and it has no CPU kernel to fold it "
             "(Swin's shifted-window mask, keras-hub's key/value cache in generate)",
         packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
@@ -467,8 +468,9 @@ CHANGES: tuple[Change, ...] = (
         replaces="Keras 3's TensorFlow backend roll (the module function), written as concatenated slices for "
                  "static shifts, on the tracing thread",
         targets=("keras.src.backend.tensorflow.numpy:roll",),
-        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
-                                  "error; other threads see the original",
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, or capture "
+                                  "from tracing a step for planning (tofu_tf.tf.capture), also on error; other "
+                                  "threads see the original",
         why="DTensor has no layout propagation for Roll (Swin's shifted windows)",
         packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
     Change(
@@ -476,8 +478,9 @@ CHANGES: tuple[Change, ...] = (
         replaces="Keras 3's TensorFlow backend one_hot (the module function), written as an Equal of the "
                  "indices with range(depth), cast, on the tracing thread",
         targets=("keras.src.backend.tensorflow.nn:one_hot",),
-        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
-                                  "error; other threads see the original",
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, or capture "
+                                  "from tracing a step for planning (tofu_tf.tf.capture), also on error; other "
+                                  "threads see the original",
         why="DTensor's OneHot expander mis-shapes its output when propagation splits the one-hot axis "
             "(keras-hub Qwen3-MoE's expert router, whose experts the plan splits)",
         packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
@@ -486,8 +489,9 @@ CHANGES: tuple[Change, ...] = (
         replaces="Keras 3's TensorFlow backend top_k (the module function), its gradient computed by comparing the "
                  "indices with range(n) instead of TopKV2's ScatterNd, on the tracing thread",
         targets=("keras.src.backend.tensorflow.math:top_k",),
-        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
-                                  "error; other threads see the original",
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, or capture "
+                                  "from tracing a step for planning (tofu_tf.tf.capture), also on error; other "
+                                  "threads see the original",
         why="DTensor's ScatterNd expander indexes a batch-split shard with global positions (keras-hub "
             "Qwen3.5-MoE's router gradient, data parallel)",
         packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
@@ -496,8 +500,9 @@ CHANGES: tuple[Change, ...] = (
         replaces="Keras 3's TensorFlow backend split (the module function), written as slices of the axis for "
                  "static sections, on the tracing thread",
         targets=("keras.src.backend.tensorflow.numpy:split",),
-        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, also on "
-                                  "error; other threads see the original",
+        scope=Scope.TRACE, undone="when the function passed to strategy.run returns from its trace, or capture "
+                                  "from tracing a step for planning (tofu_tf.tf.capture), also on error; other "
+                                  "threads see the original",
         why="DTensor's Split expander refuses an input split along its axis, which propagation gives it from "
             "the op before (keras-hub Qwen-MoE's expert bank on a batch x model mesh)",
         packages=("tensorflow", "keras"), site="tofu_tf.tf.compat.keras_ops"),
