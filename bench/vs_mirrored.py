@@ -41,6 +41,7 @@ MirroredStrategy's computing the same step (``dp/same``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -103,7 +104,6 @@ def _strategy(side):
 def _train(spec, side, x, y, profile_dir=None):
     """(steady step seconds, per-device state bytes, mesh or None, op times or None) of one fresh
     model; the op times of one more epoch under the profiler when ``profile_dir`` is given."""
-    import contextlib
     import keras
     times = []
     strategy = _strategy(side)

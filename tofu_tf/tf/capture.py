@@ -164,7 +164,8 @@ def _as_the_step_runs():
     slices and selects), so the plan prices the ops DTensor runs. Traced with the originals, a
     router's ``top_k`` gradient was a ``ScatterNd`` partial over the batch, priced as a
     reduce-scatter that never ran (keras-hub Mixtral, ``bench/executed.py``). The step's other
-    rewrites need the plan's mesh and change no op the plan prices."""
+    rewrites (``TofuStrategy._step_rewrites``) are not applied here: most need the plan's mesh,
+    which capture comes before."""
     return compat_keras_ops.dtensor_expandable_ops()
 
 
