@@ -27,10 +27,20 @@ def mixtral():
     return hub_models.mixtral(16)
 
 
+class _OwnGroupKeysMirroredStrategy(tf.distribute.MirroredStrategy):
+    """MirroredStrategy whose collectives take group keys no other program of this process does.
+    Every MirroredStrategy numbers its collective groups from 1, and the runtime keeps a key's
+    group size for the process: after another test's program gathered over 4 devices under key 1,
+    this one's 8-replica all-gather was refused ("joining a group with size 8, but that group has
+    size 4"), and the refusal poisoned the process's later collectives."""
+
+    _collective_key_base = 7_000_000
+
+
 @pytest.fixture(scope="module")
 def mirrored():
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:NUM_DEVICES]
-    return tf.distribute.MirroredStrategy(devices)
+    return _OwnGroupKeysMirroredStrategy(devices)
 
 
 def _global_inputs():
