@@ -13,6 +13,8 @@ import pytest
 import tensorflow as tf
 import tf_keras as keras
 
+from tf_keras.src.dtensor import utils as dtensor_utils
+
 from tofu_tf.tf.compat import normalization
 from tests.strategy_helpers import BATCH, fit_beside_one_device
 
@@ -66,6 +68,29 @@ def test_centered_normalization_trains_as_one_device(norm_layer):
     y = rng.integers(0, 4, size=(3 * BATCH,))
     strategy, _, _ = fit_beside_one_device(_head_after(norm_layer), _compile_sgd, x, y, rtol=1e-5, atol=1e-6)
     assert "normalization_centered" in {applied.change.name for applied in strategy.changes}
+
+
+def test_batch_statistics_are_the_batchs_as_planning_captured_them():
+    """tf-keras takes the strategy for a DTensor strategy (it has a mesh) and then computes a
+    BatchNormalization's statistics per replica group: a reshape, moments, a ``Repeat`` back over
+    the batch and, for the moving averages, a mean of that repeat, ops planning never captured and
+    DTensor runs as unpriced all-reduces (tests/test_executed.py). Under the strategy the layer
+    computes ``tf.nn.moments`` over the batch, as one device does; the step equals one device's."""
+    rng = np.random.default_rng(3)
+    x = (3.0 + rng.normal(size=(3 * BATCH, *SHAPES["BatchNormalization"]))).astype("float32")
+    y = rng.integers(0, 4, size=(3 * BATCH,))
+    strategy, model, _ = fit_beside_one_device(_head_after(keras.layers.BatchNormalization), _compile_sgd, x, y,
+                                               rtol=1e-5, atol=1e-6)
+    assert "batch_norm_global_moments" in {applied.change.name for applied in strategy.changes}
+    norm = model.layers[1]
+    with strategy.scope():
+        assert dtensor_utils.running_with_dtensor_strategy()                  # the premise
+        graph = tf.function(lambda batch: norm(batch, training=True)).get_concrete_function(
+            tf.TensorSpec((BATCH, *SHAPES["BatchNormalization"]))).graph
+    names = [op.name for op in graph.get_operations()]
+    assert any("/moments/mean" in name for name in names), names
+    assert not any("Repeat" in name or op_type == "Tile" for name, op_type in
+                   ((op.name, op.type) for op in graph.get_operations())), names
 
 
 class _ConvBlock(keras.layers.Layer):

@@ -7,6 +7,9 @@ Each function changes layers of the model it is given and returns what it change
   BatchNormalization and LayerNormalization through ``FusedBatchNormV3``, which DTensor has no
   layout propagation for; the unfused formulation (moments + batch_normalization, the mean
   subtracted first as the fused kernel does) computes the same (``tofu_tf.tf.compat.normalization``).
+* ``batch_norm_global_moments``: tf-keras computes a BatchNormalization's statistics per replica
+  group under a strategy with a mesh; the strategy's layers compute them over the batch as one
+  device does, through the ops planning captured (``tofu_tf.tf.compat.normalization``).
 * ``average_pool_as_mean``: non-overlapping average pooling as reshape + mean (no ``AvgPoolGrad``).
 * ``average_pool_as_window_sum``: the other average pooling (overlapping windows, ``"same"``
   padding) as a sum of strided slices over each window's count (``tofu_tf.tf.compat.windows``).
@@ -58,6 +61,9 @@ def prepare_layers(model) -> list[Applied]:
             changes.append(Applied(change("batch_norm_unfused"), path, "fused=False"))
             normalization.center_normalization(layer)
             changes.append(Applied(change("normalization_centered"), path, "the mean subtracted first"))
+        if ("BatchNormalization" in kind and type(layer).__module__.startswith("tf_keras")
+                and normalization.compute_global_moments(layer)):
+            changes.append(Applied(change("batch_norm_global_moments"), path, "moments over the whole batch"))
         if getattr(layer, "_fused", False) is True and "LayerNormalization" in kind:
             layer._fused = False  # pylint: disable=protected-access
             changes.append(Applied(change("layer_norm_unfused"), path, "fused=False"))

@@ -1,7 +1,7 @@
 """tf-keras's normalization layers, run unfused with the fused kernel's numerics.
 
 This module owns the changes "batch_norm_unfused" (with ``layer_norm_unfused`` in
-``tofu_tf.tf.compat.layers``) and "normalization_centered".
+``tofu_tf.tf.compat.layers``), "normalization_centered" and "batch_norm_global_moments".
 
 Why unfused: tf-keras runs BatchNormalization (and LayerNormalization) through
 ``FusedBatchNormV3``, which DTensor has no layout propagation for, so the strategy switches
@@ -23,6 +23,19 @@ layer's module reaches it, through ``tensorflow.compat.v2``) is ``centered_batch
 on the calling thread (a ``ThreadScopedPatch``); other threads and every other caller get
 TensorFlow's own. Keras 3's BatchNormalization is not touched: it runs the same unfused ops on
 one device, so the strategy computes what one device computes there.
+
+Why global moments: tf-keras takes any strategy with a ``_mesh`` attribute for a DTensor strategy
+(``tf_keras.src.dtensor.utils.running_with_dtensor_strategy``), and under one a BatchNormalization
+that is not ``synchronized`` computes its statistics per replica group, as MirroredStrategy's
+replicas do: the batch reshaped to ``[replicas, batch / replicas, ...]``, moments over each group,
+repeated back over the batch, and a mean of the repeated statistics over the batch for the moving
+averages. TofuStrategy has one replica, so the values are the global batch's, one device's; but
+the ops are others than the step planning captured (captured before the strategy has its mesh),
+and DTensor runs them as more collectives than the plan priced: the moving averages' two means
+over the batch-split repeat are two all-reduces of their own, which DTensor cannot combine with
+the gradients' (another reduction), and the repeat's gradient two sums a layer. While such a
+layer is called (``compute_global_moments``), the check reads False on the calling thread, so it
+runs ``tf.nn.moments`` over the batch as one device does, when planned and when stepped alike.
 """
 
 from __future__ import annotations
@@ -70,6 +83,36 @@ def center_normalization(layer) -> None:
             return call(*args, **kwargs)
 
     layer.call = centered_call
+
+
+def _dtensor_strategy_check():
+    from tf_keras.src.dtensor import utils  # the module tf-keras's BatchNormalization reads it from
+    return utils, "running_with_dtensor_strategy"
+
+
+_GLOBAL_MOMENTS = patching.ThreadScopedPatch(change("batch_norm_global_moments"), _dtensor_strategy_check)
+
+
+def _not_per_replica(original):
+    del original
+    return False
+
+
+def compute_global_moments(layer) -> bool:
+    """Make ``layer``'s call (a tf-keras BatchNormalization) compute its statistics over the whole
+    batch as one device does (see the module docstring); False, and nothing changed, for a
+    ``synchronized`` layer, which tf-keras already computes so under DTensor."""
+    if getattr(layer, "synchronized", False):
+        return False
+    call = layer.call
+
+    @functools.wraps(call)
+    def global_moments_call(*args, **kwargs):
+        with _GLOBAL_MOMENTS.active(_not_per_replica):
+            return call(*args, **kwargs)
+
+    layer.call = global_moments_call
+    return True
 
 
 def unfuse_batch_norm(layer) -> None:

@@ -117,6 +117,18 @@ CHANGES: tuple[Change, ...] = (
             "runs subtracts the mean first (NASNetMobile's gradients: 53% off float64's, against 4e-5)",
         packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.compat.normalization"),
     Change(
+        name="batch_norm_global_moments",
+        replaces="a tf-keras BatchNormalization's call (not synchronized; on the instance), under which "
+                 "tf_keras's running_with_dtensor_strategy (on the calling thread) reads False",
+        targets=("tf_keras.layers:BatchNormalization.call",
+                 "tf_keras.src.dtensor.utils:running_with_dtensor_strategy"),
+        scope=Scope.LAYER, undone=_LIFETIME,
+        why="tf-keras takes the strategy for DTensor's and computes the statistics per replica group: with its "
+            "one replica the global batch's values, but through a reshape, a repeat and a mean of the repeat "
+            "that planning did not capture, which DTensor runs as two all-reduces and two gradient sums more "
+            "a layer",
+        packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.compat.normalization"),
+    Change(
         name="average_pool_as_mean",
         replaces="AveragePooling2D.call (non-overlapping, VALID, channels_last) as reshape + mean",
         targets=("tf_keras.layers:AveragePooling2D.call", "keras.layers:AveragePooling2D.call"),
