@@ -92,7 +92,7 @@ def test_batch_statistics_run_as_partial_sums_as_the_plan_prices_them():
     assert out.returncode == 0, out.stdout                                           # no gap over 10% left
     # The runs the price pays for are the runs DTensor's program makes. Until 2026-12-07 it made
     # 5 of 14 all-reduces, the price 4: tf-keras computed the statistics per replica group under
-    # the strategy (a repeat, and a mean of it for the moving averages: one all-reduce of another
-    # reduction, unpriced), not as planning captured them ("batch_norm_global_moments").
+    # the strategy (a repeat, and a mean of it for the moving averages: all-reduces of another
+    # reduction), not with one device's ops ("batch_norm_global_moments").
     runs = rows[("cnn", "runs")]
     assert count == "11" and runs[3] == "4" and runs[-2:] == ["4", "runs"], out.stdout

@@ -70,12 +70,13 @@ def test_centered_normalization_trains_as_one_device(norm_layer):
     assert "normalization_centered" in {applied.change.name for applied in strategy.changes}
 
 
-def test_batch_statistics_are_the_batchs_as_planning_captured_them():
+def test_batch_statistics_are_taken_over_the_batch_with_one_devices_ops():
     """tf-keras takes the strategy for a DTensor strategy (it has a mesh) and then computes a
     BatchNormalization's statistics per replica group: a reshape, moments, a ``Repeat`` back over
-    the batch and, for the moving averages, a mean of that repeat, ops planning never captured and
-    DTensor runs as unpriced all-reduces (tests/test_executed.py). Under the strategy the layer
-    computes ``tf.nn.moments`` over the batch, as one device does; the step equals one device's."""
+    the batch and, for the moving averages, a mean of that repeat, which DTensor runs as more
+    all-reduces than one device's ops need, in a run more than the plan priced
+    (tests/test_executed.py). Under the strategy the layer computes ``tf.nn.moments`` over the
+    batch, as one device does; the step equals one device's."""
     rng = np.random.default_rng(3)
     x = (3.0 + rng.normal(size=(3 * BATCH, *SHAPES["BatchNormalization"]))).astype("float32")
     y = rng.integers(0, 4, size=(3 * BATCH,))

@@ -9,7 +9,7 @@ Each function changes layers of the model it is given and returns what it change
   subtracted first as the fused kernel does) computes the same (``tofu_tf.tf.compat.normalization``).
 * ``batch_norm_global_moments``: tf-keras computes a BatchNormalization's statistics per replica
   group under a strategy with a mesh; the strategy's layers compute them over the batch as one
-  device does, through the ops planning captured (``tofu_tf.tf.compat.normalization``).
+  device does, with one device's ops (``tofu_tf.tf.compat.normalization``).
 * ``average_pool_as_mean``: non-overlapping average pooling as reshape + mean (no ``AvgPoolGrad``).
 * ``average_pool_as_window_sum``: the other average pooling (overlapping windows, ``"same"``
   padding) as a sum of strided slices over each window's count (``tofu_tf.tf.compat.windows``).

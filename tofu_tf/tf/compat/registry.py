@@ -125,8 +125,8 @@ CHANGES: tuple[Change, ...] = (
         scope=Scope.LAYER, undone=_LIFETIME,
         why="tf-keras takes the strategy for DTensor's and computes the statistics per replica group: with its "
             "one replica the global batch's values, but through a reshape, a repeat and a mean of the repeat "
-            "that planning did not capture, which DTensor runs as two all-reduces and two gradient sums more "
-            "a layer",
+            "which DTensor runs as two all-reduces and two gradient sums more a layer than one device's ops, "
+            "in one combined run more than the plan priced",
         packages=("tensorflow", "tf-keras"), site="tofu_tf.tf.compat.normalization"),
     Change(
         name="average_pool_as_mean",
