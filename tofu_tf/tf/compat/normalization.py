@@ -77,14 +77,19 @@ def _centered_hook(original, *args, **kwargs):
 def center_normalization(layer) -> None:
     """Make ``layer``'s call (an unfused tf-keras BatchNormalization or LayerNormalization) run
     ``tf.nn.batch_normalization`` as ``centered_batch_normalization``."""
+    _call_under(layer, _CENTERED, _centered_hook)
+
+
+def _call_under(layer, patch: patching.ThreadScopedPatch, hook) -> None:
+    """Make ``layer``'s call (on the instance) run with ``patch`` active with ``hook``."""
     call = layer.call
 
     @functools.wraps(call)
-    def centered_call(*args, **kwargs):
-        with _CENTERED.active(_centered_hook):
+    def patched_call(*args, **kwargs):
+        with patch.active(hook):
             return call(*args, **kwargs)
 
-    layer.call = centered_call
+    layer.call = patched_call
 
 
 def _dtensor_strategy_check():
@@ -106,14 +111,7 @@ def compute_global_moments(layer) -> bool:
     ``synchronized`` layer, which tf-keras already computes so under DTensor."""
     if getattr(layer, "synchronized", False):
         return False
-    call = layer.call
-
-    @functools.wraps(call)
-    def global_moments_call(*args, **kwargs):
-        with _GLOBAL_MOMENTS.active(_not_per_replica):
-            return call(*args, **kwargs)
-
-    layer.call = global_moments_call
+    _call_under(layer, _GLOBAL_MOMENTS, _not_per_replica)
     return True
 
 
