@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 
 HUB_WIDTH = 64
 
@@ -16,6 +17,25 @@ class Model:
     name: str
     build: object            # () -> keras.Model, not compiled
     data: object             # (samples) -> (x, y) numpy arrays
+
+
+_GROUP_KEY_BASES = itertools.count(7_000_000, 100_000)
+
+
+def mirrored_strategy(devices):
+    """``tf.distribute.MirroredStrategy`` over ``devices`` whose collectives take group keys no
+    other program of the process does. Every MirroredStrategy numbers its collective groups from 1,
+    and the runtime keeps a key's group size for the process: after another program gathered over
+    4 devices under key 1, an 8-replica all-gather under key 1 is refused ("joining a group with
+    size 8, but that group has size 4"), and the refusal poisons the process's later collectives
+    (tests/test_compared_models.py met it). Each strategy made here numbers its groups from a base
+    of its own (``_collective_key_base``, which MirroredStrategy reads from its class)."""
+    import tensorflow as tf
+
+    class OwnGroupKeysMirroredStrategy(tf.distribute.MirroredStrategy):
+        _collective_key_base = next(_GROUP_KEY_BASES)
+
+    return OwnGroupKeysMirroredStrategy(devices)
 
 
 def _classes(x, n=10):

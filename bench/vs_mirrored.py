@@ -92,7 +92,7 @@ def _strategy(side):
         devices = [d.name for d in tf.config.list_logical_devices("GPU")][:FLAGS.num_devices]
         if len(devices) < FLAGS.num_devices:
             devices = [d.name for d in tf.config.list_logical_devices("CPU")][:FLAGS.num_devices]
-        _MIRRORED.append(tf.distribute.MirroredStrategy(devices))
+        _MIRRORED.append(compared_models.mirrored_strategy(devices))
         return _MIRRORED[0]
     if side == "tofu":
         return TofuStrategy(FLAGS.num_devices, plan_cache=False)

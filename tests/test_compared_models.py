@@ -27,20 +27,21 @@ def mixtral():
     return hub_models.mixtral(16)
 
 
-class _OwnGroupKeysMirroredStrategy(tf.distribute.MirroredStrategy):
-    """MirroredStrategy whose collectives take group keys no other program of this process does.
-    Every MirroredStrategy numbers its collective groups from 1, and the runtime keeps a key's
-    group size for the process: after another test's program gathered over 4 devices under key 1,
-    this one's 8-replica all-gather was refused ("joining a group with size 8, but that group has
-    size 4"), and the refusal poisoned the process's later collectives."""
-
-    _collective_key_base = 7_000_000
-
-
 @pytest.fixture(scope="module")
 def mirrored():
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:NUM_DEVICES]
-    return _OwnGroupKeysMirroredStrategy(devices)
+    return compared_models.mirrored_strategy(devices)
+
+
+def test_a_mirrored_strategy_after_another_process_group_of_the_same_key_runs():
+    """Two MirroredStrategies of 4 and 8 devices, the 4's all-gather first: numbering their groups
+    from the same key (as every MirroredStrategy does from 1), the 8's would be refused."""
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+    gathered = tf.function(lambda: tf.distribute.get_replica_context().all_gather(tf.ones([1]), 0))
+    four = compared_models.mirrored_strategy(cpus[:4])
+    eight = compared_models.mirrored_strategy(cpus[:NUM_DEVICES])
+    assert four.experimental_local_results(four.run(gathered))[0].shape == (4,)
+    assert eight.experimental_local_results(eight.run(gathered))[0].shape == (NUM_DEVICES,)
 
 
 def _global_inputs():
