@@ -157,11 +157,13 @@ SMALL_BYTES = 64 * 1024
 
 
 @pytest.mark.slow   # a fresh Python per initializer, measuring its allocations
-@pytest.mark.parametrize("initializer, split, most", [("Zeros", "cols", 1.25), ("GlorotUniform", "rows", 1.5),
+@pytest.mark.parametrize("initializer, split, most", [("Zeros", "cols", 1.5), ("GlorotUniform", "rows", 1.5),
                                                      ("GlorotUniform", "cols", 3.5), ("Orthogonal", "cols", 6.0)])
 def test_sharded_draw_allocates_only_the_shards(initializer, split, most):
     """A kernel sharded on 8 devices. A constant fill is filled shard by shard: the process
-    (all 8 virtual CPUs share one allocator) peaks at the kernel's size once, its shards. So
+    (all 8 virtual CPUs share one allocator) peaks at the kernel's size once, its shards, plus
+    the fills in flight on the devices filling at the same moment (1.375x in a loaded CI run of
+    2026-12-07: three shards' temporaries; filled whole on the host it would be 2x at least). So
     does a uniform draw split by rows, each device drawing its rows by global index (plus one
     shard's temporaries, the scaling of the drawn words: 1.25x). Split
     by columns it is drawn whole on the host, as one device draws it (its values must not
