@@ -84,6 +84,7 @@ def test_batch_statistics_are_taken_over_the_batch_with_one_devices_ops():
                                                rtol=1e-5, atol=1e-6)
     assert "batch_norm_global_moments" in {applied.change.name for applied in strategy.changes}
     norm = model.layers[1]
+    assert not normalization.compute_global_moments(norm)        # once a layer, however often prepared
     with strategy.scope():
         assert dtensor_utils.running_with_dtensor_strategy()                  # the premise
         graph = tf.function(lambda batch: norm(batch, training=True)).get_concrete_function(

@@ -108,10 +108,12 @@ def _not_per_replica(original):
 def compute_global_moments(layer) -> bool:
     """Make ``layer``'s call (a tf-keras BatchNormalization) compute its statistics over the whole
     batch as one device does (see the module docstring); False, and nothing changed, for a
-    ``synchronized`` layer, which tf-keras already computes so under DTensor."""
-    if getattr(layer, "synchronized", False):
+    ``synchronized`` layer, which tf-keras already computes so under DTensor, and for a layer
+    already changed (one shared by two prepared models: a GAN's generator)."""
+    if getattr(layer, "synchronized", False) or getattr(layer, "_tofu_global_moments", False):
         return False
     _call_under(layer, _GLOBAL_MOMENTS, _not_per_replica)
+    layer._tofu_global_moments = True  # pylint: disable=protected-access
     return True
 
 
