@@ -14,7 +14,14 @@ latency as much as the 4 MiB points decide the bandwidth.)
 
 It prints every point, both fits with their mean absolute percentage error, the
 FLOP rate of a matmul every device runs at once and the bytes/s of an element-wise
-update every device runs at once (the compute term's two rates). Run:
+update every device runs at once (the compute term's two rates).
+
+Last, the price of DTensor's all-reduce combining (``Link.combine_copy_bandwidth``): a step
+that all-reduces k independent partial sums (k = 2, 8, 32; 0.5, 4 and 16 MiB in all) is
+compiled twice, combined (DTensor's default) and one by one
+(``DTENSOR_ALLREDUCE_COMBINE_OPTIMIZATION_GROUP_SIZE=1``, read at each compile), and the
+differences are fit as combined - one by one = bytes / copy bandwidth - (k - 1) x latency
+(the latency an independent all-reduce adds beside others, which overlap). Run:
     python bench/calibrate_cpu.py [--repeats=7]
 """
 
@@ -73,6 +80,53 @@ def _collective_points(tf, dtensor):
     return points
 
 
+COMBINED_COUNTS = (2, 8, 32)
+COMBINED_BYTES = (2**19, 4 * 2**20, 16 * 2**20)
+_GROUP_SIZE_ENV = "DTENSOR_ALLREDUCE_COMBINE_OPTIMIZATION_GROUP_SIZE"
+
+
+def _combining_points(tf, dtensor):
+    """(k, bytes per device, combined seconds, one-by-one seconds) per point."""
+    devices = [f"CPU:{i}" for i in range(NUM_DEVICES)]
+    mesh = dtensor.create_mesh([("batch", NUM_DEVICES)], devices=devices)
+    replicated = dtensor.Layout.replicated(mesh, 2)
+    batch = dtensor.Layout.batch_sharded(mesh, "batch", 2)
+    points = []
+    for k in COMBINED_COUNTS:
+        for total in COMBINED_BYTES:
+            width = int((total / 4 / k) ** 0.5) // 8 * 8
+            xs = [dtensor.call_with_layout(tf.ones, batch, shape=(8, width)) for _ in range(k)]
+            sums = [dtensor.DVariable(dtensor.call_with_layout(tf.zeros, replicated, shape=(width, width)))
+                    for _ in range(k)]
+
+            def step():
+                for x, held in zip(xs, sums):      # partial sums over the batch, all-reduced into `held`
+                    held.assign_add(tf.matmul(x, x, transpose_a=True))
+                return tf.add_n([held[0, 0] for held in sums])
+            seconds = []
+            for group_size in (None, "1"):
+                if group_size is None:
+                    os.environ.pop(_GROUP_SIZE_ENV, None)
+                else:
+                    os.environ[_GROUP_SIZE_ENV] = group_size
+                compiled = tf.function(step)       # a new program: compiled under this setting
+                seconds.append(_median_seconds(lambda: compiled().numpy()))
+            os.environ.pop(_GROUP_SIZE_ENV, None)
+            points.append((k, k * width * width * 4, *seconds))
+            print(f"{k:>4}{k * width * width * 4 / 2**20:>10.2f}{seconds[0] * 1e3:>12.2f}{seconds[1] * 1e3:>12.2f}",
+                  flush=True)
+    return points
+
+
+def _fit_combining(points):
+    """(copy bytes per second, latency) for combined - one by one = bytes / rate - (k - 1) latency."""
+    import numpy as np
+    a = np.array([[nbytes, -(k - 1)] for k, nbytes, _, _ in points], dtype=float)
+    d = np.array([combined - alone for _, _, combined, alone in points])
+    (inverse_rate, latency), *_ = np.linalg.lstsq(a, d, rcond=None)
+    return 1.0 / inverse_rate, latency, float(np.mean(np.abs(a @ np.array([inverse_rate, latency]) - d))) * 1e3
+
+
 def _fit(points, per_call):
     """(latency, bandwidth) for seconds = a * latency + ring_bytes / bandwidth, least squares on
     relative error (each point divided by its time: small collectives count as much as large)."""
@@ -124,6 +178,10 @@ def main(argv):
     print(f"replicated 16x4096x4096 matmul on every device: {flops / 1e9:.1f} GFLOP/s per device")
     print(f"element-wise update, 4 Mi elements per device: {seconds * 1e3:.1f} ms, "
           f"{bandwidth / 1e9:.2f} GB/s per device")
+    print(f"{'k':>4}{'MiB':>10}{'combined ms':>12}{'1 by 1 ms':>12}")
+    rate, latency, error = _fit_combining(_combining_points(tf, dtensor))
+    print(f"all-reduce combining: Link(combine_copy_bandwidth={rate / 1e9:.2f} GB/s), an independent "
+          f"all-reduce beside others {latency * 1e3:.2f} ms; mean absolute error {error:.1f} ms")
     print(f"load average at end: {open('/proc/loadavg').read().split()[:3]}")
 
 

@@ -80,12 +80,14 @@ def _run_here():
 def _modeled_runs(plan) -> int | None:
     """How many collectives the plan's price says the step runs, where the link pays its latency
     once per collective (the CPU profile): each paid latency is one run (``tofu_tf.cost.combining``
-    makes the all-reduces DTensor combines share one). None on other links."""
+    makes the all-reduces DTensor combines share one; the seconds of packing them, the plan's
+    ``packing_seconds``, are not latencies). None on other links."""
     from tofu_tf.cost import hardware
     link = hardware.profile(plan.hardware).intra_node
     if not link.latency_per_collective or not link.latency:
         return None
-    return round((plan.comm_seconds - plan.comm_bytes / link.bandwidth) / link.latency)
+    packing = getattr(plan, "packing_seconds", 0.0)
+    return round((plan.comm_seconds - packing - plan.comm_bytes / link.bandwidth) / link.latency)
 
 
 def _measure(name: str) -> dict:

@@ -33,25 +33,28 @@ from tofu_tf.tf.compat import calls
 _KINDS = ("train", "test", "predict")
 
 
-def install(model, placer_of, *, optimize_graph: bool = True, explain=None) -> bool:
+def install(model, placer_of, *, optimize_graph: bool = True, explain=None, combined_of=None) -> bool:
     """Give ``model`` TofuStrategy's train, test and predict functions (both Keras
     versions). ``placer_of()`` returns the strategy's current ``BatchPlacer`` (the plan
     may come after this call); ``optimize_graph``: whether grappler optimizes the step
     programs (``tofu_tf.tf.compat.calls``); ``explain(error, model_name, kind)``: the error to raise
     instead of an error of a program's first call (its compilation), or None to raise that
-    one (``tofu_tf.strategies.expansion_errors``). True when it changed the model: the change
-    "step_functions" (``tofu_tf.tf.compat.registry``)."""
+    one (``tofu_tf.strategies.expansion_errors``); ``combined_of()``: the plan's
+    ``all_reduces_combined`` once planned (False: the training step's program is compiled with
+    its all-reduces one by one, ``calls.all_reduces_one_by_one``). True when it changed the
+    model: the change "step_functions" (``tofu_tf.tf.compat.registry``)."""
     if getattr(model, "_tofu_step_functions", False):
         return False
     keras3 = not any(base.__module__.startswith("tf_keras") for base in type(model).__mro__)
     for kind in _KINDS:
-        setattr(model, f"make_{kind}_function", _maker(model, kind, keras3, placer_of, optimize_graph, explain))
+        setattr(model, f"make_{kind}_function", _maker(model, kind, keras3, placer_of, optimize_graph, explain,
+                                                       combined_of if kind == "train" else None))
         setattr(model, f"{kind}_function", None)
     model._tofu_step_functions = True  # pylint: disable=protected-access
     return True
 
 
-def _maker(model, kind: str, keras3: bool, placer_of, optimize_graph: bool, explain):
+def _maker(model, kind: str, keras3: bool, placer_of, optimize_graph: bool, explain, combined_of):
     attribute = f"{kind}_function"
 
     def make_function(force=False):
@@ -60,7 +63,7 @@ def _maker(model, kind: str, keras3: bool, placer_of, optimize_graph: bool, expl
             return current
         steps = SignatureSteps(model.name, kind, _step_body(model, kind, keras3), placer_of,
                                eager=bool(getattr(model, "run_eagerly", False)), optimize_graph=optimize_graph,
-                               explain=explain)
+                               explain=explain, combined_of=combined_of)
         if kind == "predict" and keras3:
             function = _keras3_predict_function(steps)
         else:
@@ -76,8 +79,9 @@ class SignatureSteps:
     """One step of one loop, as a ``tf.function`` per input signature."""
 
     def __init__(self, model_name: str, kind: str, body, placer_of, *, eager: bool = False,
-                 optimize_graph: bool = True, explain=None):
+                 optimize_graph: bool = True, explain=None, combined_of=None):
         self._model_name = model_name
+        self._combined_of = combined_of
         self._explain = explain
         self._eager = eager                  # run_eagerly: op by op, as Keras would
         self._optimize_graph = optimize_graph
@@ -97,7 +101,7 @@ class SignatureSteps:
                              "weights keep their planned layouts)", self._model_name, self._kind,
                              _describe(data), len(self._functions) + 1)
             program = self._functions[key] = (self._body if self._eager or not tf.executing_eagerly()
-                                               else _Program(self._body, data, self._optimize_graph))
+                                               else _Program(self._body, data, self._optimize_graph, self._combined_of))
             if isinstance(program, _Program) and self._explain is not None:
                 return self._first_call(program, data, key)
         return program(data)
@@ -145,10 +149,13 @@ class _Program:
     once. The variables hold what the inputs held, laid out the same.
 
     The program is called with grappler on or off as ``optimize_graph`` says
-    (``tofu_tf.tf.compat.calls``)."""
+    (``tofu_tf.tf.compat.calls``), and a training step with its all-reduces one by one where
+    ``combined_of()`` (the plan's ``all_reduces_combined``, made from the first batch before any
+    step runs) says False: its first call compiles it."""
 
-    def __init__(self, body, data, optimize_graph: bool = True):
+    def __init__(self, body, data, optimize_graph: bool = True, combined_of=None):
         self._optimize_graph = optimize_graph
+        self._combined_of = combined_of
         leaves = tf.nest.flatten(data)
         self._structure = data
         self._holders = {i: d_variable.DVariable(leaf, trainable=False, name="tofu_step_input")
@@ -168,8 +175,10 @@ class _Program:
         leaves = tf.nest.flatten(data)
         for index, holder in self._holders.items():
             holder.assign(leaves[index])
+        passed = [None if i in self._holders else leaf for i, leaf in enumerate(leaves)]
         with calls.step_call_options(self._optimize_graph):
-            return self._function([None if i in self._holders else leaf for i, leaf in enumerate(leaves)])
+            with calls.all_reduces_one_by_one(self._combined_of is not None and self._combined_of() is False):
+                return self._function(passed)
 
 
 def _signature(data):

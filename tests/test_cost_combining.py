@@ -8,9 +8,11 @@ layer's forward) paid its own, and keras-hub Mixtral planned a sharded mesh meas
 slower than data parallel, which its price then ranked behind (bench/vs_mirrored.py,
 bench/executed.py)."""
 
+import dataclasses
+
 import pytest
 
-from tofu_tf.cost.combining import AllReduceLevels, run_groups
+from tofu_tf.cost.combining import AllReduceLevels, combining_pays, run_groups
 from tofu_tf.cost.evaluate import step_cost
 from tofu_tf.cost.hardware import profile
 from tofu_tf.mesh import MeshSpec
@@ -21,17 +23,18 @@ from tests.search_helpers import P_SUM, GraphBuilder
 BATCH = TensorSplit(0)
 
 
-def _statistics_graph(chained: bool):
+def _statistics_graph(chained: bool, width: int = 4):
     """Two batch sums (partial under data parallelism) read whole by a ``Relu`` each: all-reduced
     twice. ``chained``: the second sum is computed from the first's all-reduced value (as each
     Megatron layer's all-reduce feeds the next layer); else both come from the input alone."""
     b = GraphBuilder(batch=8)
-    x = b.input("x", (8, 4))
-    first = b.op("sum_1", "Sum", (x,), [(4,)])
-    first_whole = b.op("relu_1", "Relu", (first,), [(4,)])
-    source = b.op("scaled", "Mul", (x, first_whole), [(8, 4)]) if chained else b.op("square", "Square", (x,), [(8, 4)])
-    second = b.op("sum_2", "Sum", (source,), [(4,)])
-    b.op("relu_2", "Relu", (second,), [(4,)])
+    x = b.input("x", (8, width))
+    first = b.op("sum_1", "Sum", (x,), [(width,)])
+    first_whole = b.op("relu_1", "Relu", (first,), [(width,)])
+    source = (b.op("scaled", "Mul", (x, first_whole), [(8, width)]) if chained
+              else b.op("square", "Square", (x,), [(8, width)]))
+    second = b.op("sum_2", "Sum", (source,), [(width,)])
+    b.op("relu_2", "Relu", (second,), [(width,)])
     graph = b.build()
     whole = OpStrategy("whole", (REPLICATED,), (REPLICATED,))
     strategies = {"x": OpStrategy("S0", (), (BATCH,)),
@@ -52,7 +55,10 @@ def test_independent_all_reduces_share_one_latency_and_a_chain_pays_each(chained
         cost = step_cost(graph, mesh, profile(name), strategies, {})
         moved, seconds = cost.by_collective["all-reduce"]
         per_latency = link.latency if link.latency_per_collective else 2 * 7 * link.latency
-        assert seconds == pytest.approx(moved / link.bandwidth + latencies * per_latency, rel=1e-9), name
+        assert seconds == pytest.approx(moved / link.bandwidth + latencies * per_latency + cost.packing_seconds,
+                                        rel=1e-9), name
+        assert cost.packing_seconds == (pytest.approx(2 * 4 * 4 / link.combine_copy_bandwidth, rel=1e-9)
+                                        if latencies == 1 else 0.0), name
 
 
 def test_an_all_gather_runs_in_the_all_reduce_of_its_level():
@@ -70,7 +76,44 @@ def test_an_all_gather_runs_in_the_all_reduce_of_its_level():
     cost = step_cost(graph, MeshSpec((("batch", 8),)), hardware, strategies, {})
     assert set(cost.by_collective) == {"all-reduce", "all-gather"}
     link = hardware.intra_node
-    assert cost.comm_seconds == pytest.approx(cost.comm_bytes / link.bandwidth + link.latency, rel=1e-9)
+    # one run of two: the sum's 4 floats and the gathered 8 x 4 are packed
+    assert cost.packing_seconds == pytest.approx((4 + 32) * 4 / link.combine_copy_bandwidth, rel=1e-9)
+    assert cost.comm_seconds == pytest.approx(cost.comm_bytes / link.bandwidth + link.latency + cost.packing_seconds,
+                                              rel=1e-9)
+
+
+@pytest.mark.parametrize("width, combined", [(4, True), (2**18, False)])
+def test_all_reduces_run_one_by_one_where_packing_them_costs_more_than_the_latencies_saved(width, combined):
+    """DTensor's combining copies each all-reduce it combines into one buffer and out again: on
+    the CPU profile two independent all-reduces of 1 MiB each cost more to pack (5.4 ms) than the
+    one latency (2 ms) combining saves, and the step runs them one by one (``Plan.all_reduces_combined``
+    False, which TofuStrategy compiles the step with). Before, the price combined them for free:
+    the data-parallel 2 x 1024 MLP, priced so, ran 1.2-1.3x MirroredStrategy's step, the packing
+    being the difference (bench/README.md, "Beside MirroredStrategy")."""
+    graph, strategies = _statistics_graph(chained=False, width=width)
+    hardware = profile("cpu-virtual")
+    link = hardware.intra_node
+    cost = step_cost(graph, MeshSpec((("batch", 8),)), hardware, strategies, {})
+    buffers = 2 * width * 4
+    assert cost.all_reduces_combined is combined
+    packing = buffers / link.combine_copy_bandwidth if combined else 0.0
+    assert cost.packing_seconds == pytest.approx(packing, rel=1e-9)
+    latencies = 1 if combined else 2
+    assert cost.comm_seconds == pytest.approx(cost.comm_bytes / link.bandwidth + latencies * link.latency + packing,
+                                              rel=1e-9)
+    assert (buffers / link.combine_copy_bandwidth > link.latency) is not combined
+    # a link that packs for free (no combine_copy_bandwidth) always combines
+    free = dataclasses.replace(hardware, intra_node=dataclasses.replace(link, combine_copy_bandwidth=None))
+    assert step_cost(graph, MeshSpec((("batch", 8),)), free, strategies, {}).all_reduces_combined is True
+
+
+def test_combining_pays_weighs_the_packing_of_shared_runs_against_the_latencies_they_save():
+    import numpy as np
+    runs, latency = np.array([0, 0, 1]), np.array([2.0, 2.0, 2.0])
+    assert combining_pays(runs, latency, np.array([1.0, 0.9, 50.0]))        # 1.9 packed <= 2.0 saved
+    assert not combining_pays(runs, latency, np.array([1.0, 1.1, 0.0]))     # 2.1 packed > 2.0 saved
+    assert combining_pays(np.array([0, 1]), latency[:2], np.array([9.0, 9.0])) is None   # nothing shares a run
+    assert combining_pays(np.array([], dtype=np.int64), np.zeros(0), np.zeros(0)) is None
 
 
 def test_an_all_reduces_level_is_the_longest_chain_of_all_reduces_it_starts():

@@ -38,6 +38,23 @@ def test_other_versions_are_refused_with_a_remedy():
         Plan.from_dict(data)
 
 
+@pytest.mark.parametrize("combined, words", [(True, "all-reduces     combined, as DTensor does by default "
+                                                    "(packing them: 2.000 ms)"),
+                                             (False, "all-reduces     one by one"), (None, None)])
+def test_how_the_step_runs_its_all_reduces_reads_back_and_is_shown(combined, words):
+    plan = dataclasses.replace(_plan(), all_reduces_combined=combined, packing_seconds=2e-3 if combined else 0.0)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.all_reduces_combined is combined
+    from tofu_tf import plan_report
+    page = plan_report.html_fragment(plan)
+    if words is None:
+        assert "all-reduces " not in plan.summary() and "<th>all-reduces</th>" not in page
+    else:
+        assert words in plan.summary() and "<th>all-reduces</th>" in page
+    with pytest.raises(PlanError, match="all_reduces_combined"):
+        Plan.from_dict({**plan.to_dict(), "all_reduces_combined": "yes"})
+
+
 def test_plan_is_frozen():
     with pytest.raises(AttributeError):
         _plan().search_seconds = 1.0

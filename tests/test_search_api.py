@@ -290,7 +290,13 @@ def test_gradient_all_reduces_share_one_latency_where_the_link_pays_it_per_colle
         cost = plan.comm_by_collective["all-reduce"]
         per_latency = link.latency if link.latency_per_collective else 2 * 3 * link.latency
         latencies = 1 if combined else gradients
-        assert cost.seconds == pytest.approx(cost.bytes / link.bandwidth + latencies * per_latency, rel=1e-9)
+        # Combined, each gradient is also copied into the one buffer and out (its bytes, of the
+        # all-reduce's 2 (n-1)/n times them, at the link's combine_copy_bandwidth).
+        packing = cost.bytes * 4 / 6 / link.combine_copy_bandwidth if combined else 0.0
+        assert plan.packing_seconds == pytest.approx(packing, rel=1e-9)
+        assert plan.all_reduces_combined is (True if combined else None)
+        assert cost.seconds == pytest.approx(cost.bytes / link.bandwidth + latencies * per_latency + packing,
+                                             rel=1e-9)
 
 
 def test_what_only_gradients_read_is_on_the_gradient_side():
@@ -319,4 +325,5 @@ def test_all_reduces_before_a_gradients_reshapes_share_one_latency():
     plan = plan_graph(graph, num_devices=4, method="data_parallel", hardware="cpu-virtual",
                       strategy_provider=stub_strategies)
     cost = plan.comm_by_collective["all-reduce"]
-    assert cost.seconds == pytest.approx(cost.bytes / link.bandwidth + link.latency, rel=1e-9)
+    assert plan.all_reduces_combined
+    assert cost.seconds == pytest.approx(cost.bytes / link.bandwidth + link.latency + plan.packing_seconds, rel=1e-9)

@@ -93,6 +93,13 @@ class Plan:
         executed: What DTensor compiled for a training step under this plan, when it was
             measured (``tofu-plan --measure``); the summary and the page show it beside the
             modeled figures. None until measured.
+        all_reduces_combined: Whether the training step was priced with DTensor combining its
+            all-reduces into one per run (True) or running them one by one (False), whichever
+            the cost model found cheaper (``tofu_tf.cost.combining``); TofuStrategy compiles the
+            training step so. None where the hardware prices no combining (GPU links) or nothing
+            combines: DTensor's default then.
+        packing_seconds: Of the all-reduces' modeled seconds, those of copying the combined
+            ones into and out of their one buffer (0 where none are combined).
 
     Example:
         >>> import tofu_tf
@@ -124,6 +131,8 @@ class Plan:
     target: str = "dtensor"
     pinned_variables: tuple[str, ...] = ()
     executed: ExecutedFigures | None = None
+    all_reduces_combined: bool | None = None
+    packing_seconds: float = 0.0
 
     # -- what other components read ----------------------------------------
     @property
@@ -158,6 +167,15 @@ class Plan:
     def peak_memory_bytes(self) -> int:
         return self.memory.peak_bytes
 
+    @property
+    def all_reduces_combining(self) -> str | None:
+        """How the training step runs its all-reduces, in words (None: DTensor's default, unpriced)."""
+        if self.all_reduces_combined is None:
+            return None
+        if self.all_reduces_combined:
+            return f"combined, as DTensor does by default (packing them: {self.packing_seconds * 1e3:.3f} ms)"
+        return "one by one: packing them into DTensor's combined all-reduce costs more than the latencies it saves"
+
     # -- for people ----------------------------------------------------------
     def summary(self, *, top: int = 10) -> str:
         """The plan as a table a person reads in a terminal.
@@ -191,6 +209,8 @@ class Plan:
             f"  search          {self.search_seconds:.2f} s"
             + ("" if self.proved_optimal is None else f"  (proved optimal: {self.proved_optimal})"),
         ]
+        if self.all_reduces_combining is not None:
+            lines.append(f"  all-reduces     {self.all_reduces_combining}")
         collectives = sorted(self.comm_by_collective.items(), key=lambda kv: -kv[1].seconds)
         layers = sorted(self.comm_by_layer.items(), key=lambda kv: -kv[1].seconds)[:top]
         layer_header = f"layer (top {top})"
@@ -291,6 +311,8 @@ class Plan:
             "pinned_variables": list(self.pinned_variables),
             "compute_seconds": self.compute_seconds,
             "target": self.target,
+            "all_reduces_combined": self.all_reduces_combined,
+            "packing_seconds": self.packing_seconds,
             **({} if self.executed is None else {"executed": self.executed.to_dict()}),
         }
 
@@ -447,9 +469,10 @@ def _read_fields(data: Mapping) -> tuple[dict, list[str]]:
     readers = {
         "method": _enum(Method), "objective": _enum(Objective), "op_strategies": _strategies,
         "comm_by_collective": _costs, "comm_by_layer": _costs, "memory": _memory,
-        "search_seconds": _number, "compute_seconds": _number, "hardware": _text, "target": _text,
+        "search_seconds": _number, "compute_seconds": _number, "packing_seconds": _number, "hardware": _text, "target": _text,
         "memory_budget_bytes": _optional(_integer), "proved_optimal": _optional(_boolean), "notes": _notes,
         "pinned_variables": _notes, "executed": _optional(ExecutedFigures.from_dict),
+        "all_reduces_combined": _optional(_boolean),
     }
     for name, read in readers.items():
         if name not in data:

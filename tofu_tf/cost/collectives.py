@@ -149,11 +149,16 @@ def transfer_seconds(src: TensorSplit, dst: TensorSplit, nbytes: float, n: int, 
                      gradient: bool = False) -> float:
     """Seconds of ``transfer``; ``gradient``: the tensor is a gradient the optimizer reads, whose
     all-reduce on a link that combines them (``combines_gradient_all_reduces``) pays no latency of
-    its own (the step's one combined all-reduce pays it once: ``StepPricer``)."""
+    its own (the step's one combined all-reduce pays it once: ``StepPricer``) but the copy of its
+    bytes into and out of the combined buffer (``Link.combine_copy_bandwidth``); where that copy
+    costs more than the latency, the latency (the step's price runs all-reduces one by one where
+    that is cheaper: ``tofu_tf.cost.combining``)."""
     moved = transfer(src, dst, nbytes, n, link)
     if moved is None:
         return 0.0
     if gradient and link.combines_gradient_all_reduces and moved.kind is Collective.ALL_REDUCE:
-        return moved.seconds - collective_cost(Collective.ALL_REDUCE, 0.0, n, link).seconds
+        latency = collective_cost(Collective.ALL_REDUCE, 0.0, n, link).seconds
+        packing = 0.0 if link.combine_copy_bandwidth is None else nbytes / link.combine_copy_bandwidth
+        return moved.seconds - latency + min(latency, packing)
     return moved.seconds
 

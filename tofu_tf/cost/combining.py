@@ -17,6 +17,14 @@ all-reduces run as one; a mixture-of-experts' router statistics, all-reduced in 
 forward pass, run with them when nothing all-reduced is computed from them; Megatron's all-reduces,
 each feeding the next layer, pay one latency each.
 
+Combining is not free: the pass writes each member into a zero-filled buffer and slices it out
+after the all-reduce, a copy of every byte combined (``Link.combine_copy_bandwidth``; on the CPU
+profile, gradients of a few MiB cost more to pack than the latencies they save). DTensor reads a
+cap on the members of a combined all-reduce each time it compiles a program
+(``DTENSOR_ALLREDUCE_COMBINE_OPTIMIZATION_GROUP_SIZE``; 1 runs every all-reduce alone), so the
+price takes the cheaper of the two for the whole step (``combining_pays``) and the strategy
+compiles the training step so (``tofu_tf.tf.compat.calls``).
+
 A chain is followed through the graph's tensors: an all-reduce of tensor ``t`` comes before one of
 every tensor computed from ``t``. The counts this gives were set beside the collectives DTensor's
 lowered program runs by ``bench/executed.py`` (bench/README.md, "The plan is what runs").
@@ -79,3 +87,22 @@ def run_groups(levels: np.ndarray, axis: np.ndarray, reduction: np.ndarray, dtyp
     _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
     order = np.argsort(np.argsort(first))          # runs numbered by their first member
     return order[np.asarray(inverse).ravel()]
+
+
+def combining_pays(runs: np.ndarray, latency: np.ndarray, packing: np.ndarray) -> bool | None:
+    """Whether a step runs its all-reduces cheaper combined than one by one.
+
+    Per combinable collective: ``runs`` (``run_groups``), the ``latency`` it pays alone and the
+    ``packing`` seconds combining adds for it (its buffer bytes over the link's
+    ``combine_copy_bandwidth``). Combined, each member of a run of two or more pays its packing
+    and only the run's first member its latency; one by one, every member pays its latency and
+    none packs. Ties go to combining, DTensor's default. None when no run has two members (the
+    choice changes nothing)."""
+    if not len(runs):
+        return None
+    shared = np.bincount(runs)[runs] >= 2
+    if not shared.any():
+        return None
+    first = np.zeros(len(runs), dtype=bool)
+    first[np.unique(runs, return_index=True)[1]] = True
+    return float(packing[shared].sum()) <= float(latency[shared & ~first].sum())

@@ -4,7 +4,8 @@ Given a graph, a mesh and, for every op, the strategy it runs on each mesh
 axis (plus each variable's split per axis), this module prices the whole
 step: every conversion a tensor's readers ask for on every axis (once per
 tensor and layout, however many ops read it in that layout; the all-reduces DTensor
-runs as one sharing one latency where ``Link.combines_gradient_all_reduces``:
+runs as one sharing one latency where ``Link.combines_gradient_all_reduces``, each paying the
+copy into the combined buffer, unless running them one by one is cheaper:
 ``tofu_tf.cost.combining``),
 and the peak memory per device by liveness. It is the single definition of "what a plan
 costs" -- the search reports these numbers, and tests recompute them.
@@ -41,7 +42,11 @@ from tofu_tf.semantics.strategy import REPLICATED, OpStrategy, Reduction, Tensor
 @dataclasses.dataclass(frozen=True)
 class StepCost:
     """Communication per step (bytes, seconds; by collective and by layer), compute
-    seconds per device, and memory."""
+    seconds per device, and memory. ``all_reduces_combined``: whether the step is priced with
+    DTensor combining its all-reduces (True) or running them one by one (False), the cheaper
+    (``tofu_tf.cost.combining``); None where the links price no combining or nothing combines.
+    ``packing_seconds``: of the all-reduces' seconds, those of copying the combined ones into
+    and out of their buffers."""
 
     comm_bytes: float
     comm_seconds: float
@@ -49,6 +54,8 @@ class StepCost:
     by_layer: Mapping[str, tuple[float, float]]
     memory: MemoryReport
     compute_seconds: float = 0.0
+    all_reduces_combined: bool | None = None
+    packing_seconds: float = 0.0
 
     @property
     def step_seconds(self) -> float:
@@ -164,16 +171,16 @@ class StepPricer:
     def _price(self, mesh, hardware, codes: "_Codes", var_splits, work_seconds) -> StepCost:
         sizes = np.asarray(mesh.sizes, dtype=np.int64)
         links = [hardware.axis_link(mesh, k) for k in range(len(sizes))]
-        by_kind, by_layer = self._comm(codes, sizes, links)
+        by_kind, by_layer, (combined, packing) = self._comm(codes, sizes, links)
         memory = self._memory(codes, sizes, var_splits)
         total_bytes = sum(v[0] for v in by_kind.values())
         total_seconds = sum(v[1] for v in by_kind.values())
         if work_seconds is None:
             work_seconds = op_work_seconds(self.graph, hardware)
         compute = codes.compute_seconds(work_seconds, sizes)
-        return StepCost(total_bytes, total_seconds, by_kind, by_layer, memory, compute)
+        return StepCost(total_bytes, total_seconds, by_kind, by_layer, memory, compute, combined, packing)
 
-    def _comm(self, codes: "_Codes", sizes: np.ndarray, links) -> tuple[dict, dict]:
+    def _comm(self, codes: "_Codes", sizes: np.ndarray, links) -> tuple[dict, dict, tuple[bool | None, float]]:
         decided = codes.has[self._use_consumer]
         consumer, slot = self._use_consumer[decided], self._use_slot[decided]
         producer, out = self._use_producer[decided], self._use_out[decided]
@@ -188,7 +195,7 @@ class StepPricer:
         num_axes = len(sizes)
         dst_split = np.where(dst >= 0, sizes, 1)
         src_split = np.where(src >= 0, sizes, 1)
-        kinds, moved_bytes, latencies = [], [], []
+        kinds, moved_bytes, latencies, buffers = [], [], [], []
         for k in range(num_axes):
             before = np.prod(dst_split[:, :k], axis=1) if k else np.ones(len(dst), dtype=np.int64)
             after = np.prod(src_split[:, k + 1:], axis=1) if k + 1 < num_axes else np.ones(len(dst), dtype=np.int64)
@@ -199,9 +206,12 @@ class StepPricer:
             kind[size <= 0] = -1
             factor, fixed = _collective_tables(int(sizes[k]), links[k])
             kinds.append(kind), moved_bytes.append(factor[kind] * size), latencies.append(fixed[kind])
+            buffers.append(size)
+        combined = (None, 0.0)
         if kinds:
             kind, latency = np.stack(kinds, axis=1), np.stack(latencies, axis=1)
-            self._share_latencies(kind, latency, src, self._use_source[decided][once], links)
+            combined = self._combine(kind, latency, np.stack(buffers, axis=1), src,
+                                     self._use_source[decided][once], links)
             bandwidth = np.asarray([link.bandwidth for link in links])
             seconds = (latency + np.stack(moved_bytes, axis=1) / bandwidth).ravel()
             kind, moved_bytes = kind.ravel(), np.stack(moved_bytes, axis=1).ravel()
@@ -210,27 +220,38 @@ class StepPricer:
         layer = np.repeat(layer, num_axes)
         real = kind >= 0
         return (_totals(kind[real], moved_bytes[real], seconds[real], [c.value for c in _COLLECTIVES]),
-                _totals(layer[real], moved_bytes[real], seconds[real], self._layers))
+                _totals(layer[real], moved_bytes[real], seconds[real], self._layers), combined)
 
-    def _share_latencies(self, kind: np.ndarray, latency: np.ndarray, src: np.ndarray, source: np.ndarray,
-                         links) -> None:
-        """Zero ``latency`` (``[conversion, axis]``) of each collective DTensor runs inside another
-        (``tofu_tf.cost.combining``), on axes whose link pays its latency once per collective: of the
-        all-reduces (and the all-gathers it runs as all-reduces) of one run, the first pays it."""
+    def _combine(self, kind: np.ndarray, latency: np.ndarray, buffer: np.ndarray, src: np.ndarray,
+                 source: np.ndarray, links) -> tuple[bool | None, float]:
+        """Price DTensor's all-reduce combining into ``latency`` (``[conversion, axis]``: the fixed
+        seconds each collective pays) where it is cheaper (``tofu_tf.cost.combining``), on axes whose
+        link pays its latency once per collective: of the all-reduces (and the all-gathers it runs as
+        all-reduces) of one run the first pays the latency, and each member of a run of two or more
+        pays the copy of its ``buffer`` bytes into and out of the combined buffer. Returns whether
+        it combined (``combining.combining_pays``) and the packing seconds it added."""
         combined = np.zeros(kind.shape, dtype=bool)
         for k, link in enumerate(links):
             if link.combines_gradient_all_reduces:
                 combined[:, k] = (kind[:, k] == _ALL_REDUCE) | (link.gathers_by_all_reduce & (kind[:, k] == _ALL_GATHER))
         rows, axes = np.nonzero(combined)                 # conversion-major, as the totals are summed
         if len(rows) <= 1:
-            return
+            return None, 0.0
         level_of = self._levels.levels(np.unique(source[rows]).tolist())
         levels = np.asarray([level_of[s] for s in source[rows].tolist()], dtype=np.int64)
         reduction = np.where(kind[rows, axes] == _ALL_REDUCE, src[rows, axes], _SUM_CODE)
         runs = combining.run_groups(levels, axes, reduction, self._source_dtype[source[rows]])
+        copy_rate = np.asarray([link.combine_copy_bandwidth or np.inf for link in links])
+        packing = buffer[rows, axes] / copy_rate[axes]
+        pays = combining.combining_pays(runs, latency[rows, axes], packing)
+        if not pays:
+            return pays, 0.0
+        shared = np.bincount(runs)[runs] >= 2
         first = np.zeros(len(rows), dtype=bool)
         first[np.unique(runs, return_index=True)[1]] = True
         latency[rows[~first], axes[~first]] = 0.0
+        latency[rows[shared], axes[shared]] += packing[shared]
+        return True, float(packing[shared].sum())
 
     def _memory(self, codes: "_Codes", sizes: np.ndarray, var_splits) -> MemoryReport:
         made = codes.outputs[codes.rows[self._live_producer], self._live_out[:, None]]

@@ -38,6 +38,12 @@ class Link:
     process that runs the plan (a pipelined TofuStrategy switches it off, as its stage functions
     need): each collective then pays its own latency.
 
+    ``combine_copy_bandwidth``: bytes per second per device at which DTensor's combining pass
+    packs the all-reduces it combines into one buffer and slices them back out (it writes each
+    into a zero-filled buffer with ``TensorStridedSliceUpdate``); None: free. Where it is set,
+    a step's price weighs that copy against the latencies combining saves and runs its
+    all-reduces the cheaper way (``tofu_tf.cost.combining``).
+
     DTensor runs an all-gather as an all-reduce of a zero-padded buffer and a
     reduce-scatter as an all-reduce and a slice, on GPUs and CPUs alike
     (``tofu_tf.cost.collectives``); ``gathers_by_all_reduce=True``, the default,
@@ -50,6 +56,7 @@ class Link:
     latency_per_collective: bool = False
     gathers_by_all_reduce: bool = True
     all_reduces_combined: bool = True
+    combine_copy_bandwidth: float | None = None
 
     @property
     def combines_gradient_all_reduces(self) -> bool:
@@ -60,8 +67,10 @@ class Link:
         return self.latency_per_collective and self.all_reduces_combined
 
     def __post_init__(self):
-        if self.bandwidth <= 0 or self.latency < 0:
-            raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+        if self.bandwidth <= 0 or self.latency < 0 or (self.combine_copy_bandwidth is not None
+                                                        and self.combine_copy_bandwidth <= 0):
+            raise ValueError(f"a link needs bandwidth > 0, latency >= 0 and a combine_copy_bandwidth "
+                             f"> 0 or None, got {self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +122,13 @@ PCIE_GPU = HardwareProfile(
 # per ring step instead fits at 47%); a replicated 16x4096x4096 matmul on every device
 # ran at 3.4 GFLOP/s per device and an Adam-like element-wise update at 0.47 GB/s
 # per device (quiet machine: 7.8 GFLOP/s). Profiles rank plans, so the round figures
-# below keep the measured ratios.
+# below keep the measured ratios. DTensor's all-reduce combining packed and unpacked its
+# buffers at 0.39 GB/s per device (2026-12-08; combined against one-by-one all-reduces of
+# 2-32 gradients of 0.5-16 MiB: bench/calibrate_cpu.py).
 CPU_VIRTUAL = HardwareProfile(
     "cpu-virtual", devices_per_node=1024, memory_bytes=3 * GIB,
     intra_node=Link(bandwidth=0.35 * GB, latency=2e-3,     # DTensor collectives between virtual CPUs
-                    latency_per_collective=True),
+                    latency_per_collective=True, combine_copy_bandwidth=0.39 * GB),
     inter_node=Link(bandwidth=0.1 * GB, latency=20e-3),    # loopback gRPC between processes (not measured)
     flops=4e9, memory_bandwidth=0.5 * GB)                   # two host cores shared by the devices
 

@@ -827,7 +827,8 @@ def _to_plan(best: _Candidate, graph: ir.Graph, method: Method, objective: Objec
         memory=cost.memory, search_seconds=seconds, hardware=hardware.name, objective=objective,
         memory_budget_bytes=budget, proved_optimal=(best.exact if method is Method.ILP else None),
         notes=_notes(graph, best.mesh, variable_layouts), compute_seconds=cost.compute_seconds,
-        target=target.value)
+        target=target.value, all_reduces_combined=cost.all_reduces_combined,
+        packing_seconds=cost.packing_seconds)
 
 
 def _notes(graph: ir.Graph, mesh: MeshSpec, variable_layouts) -> tuple[str, ...]:

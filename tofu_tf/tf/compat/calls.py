@@ -21,6 +21,8 @@ only the programs called inside ``step_call_options(False)`` see it, on that thr
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from typing import Iterator
 
 from tensorflow.core.protobuf import config_pb2
@@ -29,6 +31,13 @@ from tensorflow.python.eager import context
 from tofu_tf.tf.compat.registry import change
 
 CHANGE = change("step_graph_optimizations_off")
+ONE_BY_ONE = change("step_all_reduces_one_by_one")
+# DTensor reads this cap on the all-reduces its combining pass merges into one each time it
+# compiles a program (``DTensorMlirPassRunner::ImportGraphToMlir``, as a module attribute); 1
+# runs every all-reduce alone, unset merges as many as it can.
+GROUP_SIZE_ENV = "DTENSOR_ALLREDUCE_COMBINE_OPTIMIZATION_GROUP_SIZE"
+_ONE_BY_ONE_LOCK = threading.Lock()
+_one_by_one_calls = 0
 
 
 def graph_optimizations_default(device_type: str) -> bool:
@@ -54,3 +63,34 @@ def step_call_options(optimize: bool) -> Iterator[None]:
         yield
     finally:
         eager.function_call_options = saved
+
+
+@contextlib.contextmanager
+def all_reduces_one_by_one(active: bool) -> Iterator[None]:
+    """While active, DTensor compiles the programs called with every all-reduce run alone, not
+    combined into one (``tofu_tf.cost.combining``: a plan whose gradients cost more to pack than
+    the collective launches combining saves; ``Plan.all_reduces_combined`` False). A program is
+    compiled at its first call, so only that call needs it; the step calls of the strategy all
+    enter it, which costs an environment lookup. The switch is the process's: a DTensor program
+    another thread compiles meanwhile runs its all-reduces alone too (the same sums). A switch the
+    user set is left as set. Undone when the last call that set it returns."""
+    global _one_by_one_calls
+    if not active:
+        yield
+        return
+    with _ONE_BY_ONE_LOCK:
+        if _one_by_one_calls == 0 and GROUP_SIZE_ENV in os.environ:
+            active = False                    # the user's own setting
+        else:
+            _one_by_one_calls += 1
+            os.environ[GROUP_SIZE_ENV] = "1"
+    if not active:
+        yield
+        return
+    try:
+        yield
+    finally:
+        with _ONE_BY_ONE_LOCK:
+            _one_by_one_calls -= 1
+            if _one_by_one_calls == 0:
+                os.environ.pop(GROUP_SIZE_ENV, None)

@@ -443,6 +443,18 @@ CHANGES: tuple[Change, ...] = (
             "was lost); layers and checkpoints keep the Python object they hold",
         packages=("tensorflow",), site="tofu_tf.tf.variables"),
     Change(
+        name="step_all_reduces_one_by_one",
+        replaces="the environment switch DTENSOR_ALLREDUCE_COMBINE_OPTIMIZATION_GROUP_SIZE, set to 1 while the "
+                 "strategy calls a training step program whose plan runs its all-reduces one by one "
+                 "(Plan.all_reduces_combined False), unless the user set it (read by DTensor at each compile)",
+        targets=("tensorflow.dtensor.python.dtensor_device:DTensorDevice",),
+        scope=Scope.CALL, undone="on return of the last such call, also on error; the switch is the process's, "
+                                 "so a program another thread compiles meanwhile runs its all-reduces alone too",
+        why="DTensor's all-reduce combining copies each all-reduce it combines into one buffer and out again; "
+            "where the gradients are few and large (a 2 x 1024 MLP's data-parallel step on virtual CPUs) "
+            "that copy costs more than the collective launches it saves",
+        packages=("tensorflow",), site="tofu_tf.tf.compat.calls"),
+    Change(
         name="step_graph_optimizations_off",
         replaces="the calling thread's FunctionCallOptions while a step program is called: grappler's "
                  "meta-optimizer disabled in the call's config_proto (CPU meshes, or graph_optimizations=False)",
