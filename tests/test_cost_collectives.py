@@ -82,3 +82,20 @@ def test_profiles_by_name():
     assert profile("h200-nvlink").memory_bytes > profile("h100-nvlink").memory_bytes
     with pytest.raises(ValueError, match="unknown hardware profile 'tpu'"):
         profile("tpu")
+
+
+@pytest.mark.parametrize("nbytes", [4 * 2**10, 4 * 2**20])
+def test_an_axis_problem_prices_a_gradients_all_reduce_the_smaller_of_its_packing_and_its_latency(nbytes):
+    """The axis problems price each conversion alone: a gradient's all-reduce on the CPU profile,
+    whose combined all-reduce pays one latency for all, pays the copy of its bytes into the
+    combined buffer (4 KiB: 0.01 ms), or its own latency where that copy costs more (4 MiB:
+    10.8 ms against 2 ms), as the step's price then runs the all-reduces one by one."""
+    from tofu_tf.cost.collectives import collective_cost, transfer_seconds
+    link = CPU_VIRTUAL.intra_node
+    moved = collective_cost(Collective.ALL_REDUCE, nbytes, 8, link)
+    packing = nbytes / link.combine_copy_bandwidth
+    fixed = min(link.latency, packing)
+    assert transfer_seconds(P, REPLICATED, nbytes, 8, link, gradient=True) == pytest.approx(
+        moved.seconds - link.latency + fixed, rel=1e-12)
+    assert (fixed == packing) is (nbytes < link.latency * link.combine_copy_bandwidth)
+    assert transfer_seconds(P, REPLICATED, nbytes, 8, link) == pytest.approx(moved.seconds, rel=1e-12)
