@@ -86,8 +86,7 @@ def _modeled_runs(plan) -> int | None:
     link = hardware.profile(plan.hardware).intra_node
     if not link.latency_per_collective or not link.latency:
         return None
-    packing = getattr(plan, "packing_seconds", 0.0)
-    return round((plan.comm_seconds - packing - plan.comm_bytes / link.bandwidth) / link.latency)
+    return round((plan.comm_seconds - plan.packing_seconds - plan.comm_bytes / link.bandwidth) / link.latency)
 
 
 def _measure(name: str) -> dict:

@@ -447,12 +447,17 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         batch_size = _batch_size_of(arg_specs)
         self._plan_captured(model, optimizer, batch_size, lambda: capture_step_function(
             step_fn, arg_specs, model=model, optimizer=optimizer))
-        if getattr(self._plan, "all_reduces_combined", None) is False:
+        if self._all_reduces_combined() is False:
             logging.info("TofuStrategy: the plan of %s runs its all-reduces one by one (%s). A custom loop's "
                          "step is compiled when your tf.function first runs, where the strategy cannot set that: "
                          "DTensor combines them as by default. To run the step as priced, set %s=1 in the "
                          "environment (DTensor reads it at each compile).", model.name,
                          self._plan.all_reduces_combining, compat_calls.GROUP_SIZE_ENV)
+
+    def _all_reduces_combined(self) -> bool | None:
+        """The plan's ``all_reduces_combined`` (None before a plan, or for one that does not say:
+        a hand-written plan, data parallelism of a run that trains no model)."""
+        return getattr(self._plan, "all_reduces_combined", None)
 
     def _plan_captured(self, model, optimizer, batch_size: int, capture) -> None:
         """Plan the step ``capture()`` traces for ``model``, adopt the plan and make the variables."""
@@ -572,7 +577,7 @@ class _TofuExtended(dtensor_strategy_extended.DTensorStrategyExtended):
         else:
             if step_functions.install(model, self._placer, optimize_graph=self._options.graph_optimizations,
                                       explain=self._explain_refusal,
-                                      combined_of=lambda: getattr(self._plan, "all_reduces_combined", None)):
+                                      combined_of=self._all_reduces_combined):
                 self._record(compat.Applied(compat.change("step_functions"), model.name,
                                             "fit/evaluate/predict run one batch at a time, one program per "
                                             "input signature (a partial last batch included)"))

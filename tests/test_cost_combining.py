@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from tofu_tf.cost.combining import AllReduceLevels, combining_pays, run_groups
+from tofu_tf.cost.combining import AllReduceLevels, combining_pays, run_groups, run_roles
 from tofu_tf.cost.evaluate import step_cost
 from tofu_tf.cost.hardware import profile
 from tofu_tf.mesh import MeshSpec
@@ -110,10 +110,11 @@ def test_all_reduces_run_one_by_one_where_packing_them_costs_more_than_the_laten
 def test_combining_pays_weighs_the_packing_of_shared_runs_against_the_latencies_they_save():
     import numpy as np
     runs, latency = np.array([0, 0, 1]), np.array([2.0, 2.0, 2.0])
-    assert combining_pays(runs, latency, np.array([1.0, 0.9, 50.0]))        # 1.9 packed <= 2.0 saved
-    assert not combining_pays(runs, latency, np.array([1.0, 1.1, 0.0]))     # 2.1 packed > 2.0 saved
-    assert combining_pays(np.array([0, 1]), latency[:2], np.array([9.0, 9.0])) is None   # nothing shares a run
-    assert combining_pays(np.array([], dtype=np.int64), np.zeros(0), np.zeros(0)) is None
+    assert [mask.tolist() for mask in run_roles(runs)] == [[True, False, True], [True, True, False]]
+    assert combining_pays(*run_roles(runs), latency, np.array([1.0, 0.9, 50.0]))     # 1.9 packed <= 2.0 saved
+    assert not combining_pays(*run_roles(runs), latency, np.array([1.0, 1.1, 0.0]))  # 2.1 packed > 2.0 saved
+    assert combining_pays(*run_roles(np.array([0, 1])), latency[:2], np.array([9.0, 9.0])) is None   # no run shared
+    assert combining_pays(*run_roles(np.array([], dtype=np.int64)), np.zeros(0), np.zeros(0)) is None
 
 
 def test_an_all_reduces_level_is_the_longest_chain_of_all_reduces_it_starts():

@@ -28,17 +28,22 @@ def _grappler_disabled() -> bool:
     return config_pb2.ConfigProto.FromString(serialized).graph_options.rewrite_options.disable_meta_optimizer
 
 
-@pytest.fixture
-def function_calls(monkeypatch):
-    """(function name, grappler disabled) of every function call TensorFlow issues meanwhile."""
+def _record_calls(monkeypatch, probe) -> list:
+    """(function name, ``probe()`` as the call goes out) of every function call TensorFlow issues."""
     seen = []
     original = context.Context.call_function
 
     def call_function(self, name, *args, **kwargs):
-        seen.append((name.decode() if isinstance(name, bytes) else name, _grappler_disabled()))
+        seen.append((name.decode() if isinstance(name, bytes) else name, probe()))
         return original(self, name, *args, **kwargs)
     monkeypatch.setattr(context.Context, "call_function", call_function)
     return seen
+
+
+@pytest.fixture
+def function_calls(monkeypatch):
+    """(function name, grappler disabled) of every function call TensorFlow issues meanwhile."""
+    return _record_calls(monkeypatch, _grappler_disabled)
 
 
 def _mlp():
@@ -110,14 +115,7 @@ def test_graph_optimizations_takes_a_bool_or_none():
 def group_sizes(monkeypatch):
     """(function name, DTensor's combining cap as the environment holds it) of every function call."""
     monkeypatch.delenv(calls.GROUP_SIZE_ENV, raising=False)
-    seen = []
-    original = context.Context.call_function
-
-    def call_function(self, name, *args, **kwargs):
-        seen.append((name.decode() if isinstance(name, bytes) else name, os.environ.get(calls.GROUP_SIZE_ENV)))
-        return original(self, name, *args, **kwargs)
-    monkeypatch.setattr(context.Context, "call_function", call_function)
-    return seen
+    return _record_calls(monkeypatch, lambda: os.environ.get(calls.GROUP_SIZE_ENV))
 
 
 @pytest.mark.parametrize("width, combined", [(1024, False), (32, True)])

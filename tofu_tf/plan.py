@@ -469,10 +469,10 @@ def _read_fields(data: Mapping) -> tuple[dict, list[str]]:
     readers = {
         "method": _enum(Method), "objective": _enum(Objective), "op_strategies": _strategies,
         "comm_by_collective": _costs, "comm_by_layer": _costs, "memory": _memory,
-        "search_seconds": _number, "compute_seconds": _number, "packing_seconds": _number, "hardware": _text, "target": _text,
+        "search_seconds": _number, "compute_seconds": _number, "hardware": _text, "target": _text,
         "memory_budget_bytes": _optional(_integer), "proved_optimal": _optional(_boolean), "notes": _notes,
         "pinned_variables": _notes, "executed": _optional(ExecutedFigures.from_dict),
-        "all_reduces_combined": _optional(_boolean),
+        "all_reduces_combined": _optional(_boolean), "packing_seconds": _number,
     }
     for name, read in readers.items():
         if name not in data:

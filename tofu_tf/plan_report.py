@@ -174,11 +174,10 @@ def _overview(plan: Plan) -> str:
                                                       f"{plan.compute_seconds * 1e3:.3f} ms, communication "
                                                       f"{plan.comm_seconds * 1e3:.3f} ms)"),
             ("communication", f"{format_bytes(plan.comm_bytes)} per device per step"),
+            *([("all-reduces", plan.all_reduces_combining)] if plan.all_reduces_combining is not None else []),
             ("peak memory", f"{format_bytes(plan.peak_memory_bytes)} per device (at {plan.memory.peak_op})"),
             ("search", f"{plan.search_seconds:.2f} s"
              + ("" if plan.proved_optimal is None else f", proved optimal: {plan.proved_optimal}"))]
-    if plan.all_reduces_combining is not None:
-        rows.insert(5, ("all-reduces", plan.all_reduces_combining))
     return "<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows) + "</table>"
 
 

@@ -89,20 +89,24 @@ def run_groups(levels: np.ndarray, axis: np.ndarray, reduction: np.ndarray, dtyp
     return order[np.asarray(inverse).ravel()]
 
 
-def combining_pays(runs: np.ndarray, latency: np.ndarray, packing: np.ndarray) -> bool | None:
+def run_roles(runs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per member of ``runs`` (``run_groups``): whether it is its run's first (the one that pays
+    the run's latency) and whether its run has two or more members (it is packed)."""
+    first = np.zeros(len(runs), dtype=bool)
+    first[np.unique(runs, return_index=True)[1]] = True
+    shared = np.bincount(runs)[runs] >= 2 if len(runs) else np.zeros(0, dtype=bool)
+    return first, shared
+
+
+def combining_pays(first: np.ndarray, shared: np.ndarray, latency: np.ndarray, packing: np.ndarray) -> bool | None:
     """Whether a step runs its all-reduces cheaper combined than one by one.
 
-    Per combinable collective: ``runs`` (``run_groups``), the ``latency`` it pays alone and the
+    Per combinable collective: its ``run_roles``, the ``latency`` it pays alone and the
     ``packing`` seconds combining adds for it (its buffer bytes over the link's
     ``combine_copy_bandwidth``). Combined, each member of a run of two or more pays its packing
     and only the run's first member its latency; one by one, every member pays its latency and
     none packs. Ties go to combining, DTensor's default. None when no run has two members (the
     choice changes nothing)."""
-    if not len(runs):
-        return None
-    shared = np.bincount(runs)[runs] >= 2
     if not shared.any():
         return None
-    first = np.zeros(len(runs), dtype=bool)
-    first[np.unique(runs, return_index=True)[1]] = True
     return float(packing[shared].sum()) <= float(latency[shared & ~first].sum())

@@ -243,12 +243,10 @@ class StepPricer:
         runs = combining.run_groups(levels, axes, reduction, self._source_dtype[source[rows]])
         copy_rate = np.asarray([link.combine_copy_bandwidth or np.inf for link in links])
         packing = buffer[rows, axes] / copy_rate[axes]
-        pays = combining.combining_pays(runs, latency[rows, axes], packing)
+        first, shared = combining.run_roles(runs)
+        pays = combining.combining_pays(first, shared, latency[rows, axes], packing)
         if not pays:
             return pays, 0.0
-        shared = np.bincount(runs)[runs] >= 2
-        first = np.zeros(len(rows), dtype=bool)
-        first[np.unique(runs, return_index=True)[1]] = True
         latency[rows[~first], axes[~first]] = 0.0
         latency[rows[shared], axes[shared]] += packing[shared]
         return True, float(packing[shared].sum())

@@ -75,22 +75,17 @@ def all_reduces_one_by_one(active: bool) -> Iterator[None]:
     another thread compiles meanwhile runs its all-reduces alone too (the same sums). A switch the
     user set is left as set. Undone when the last call that set it returns."""
     global _one_by_one_calls
-    if not active:
-        yield
-        return
     with _ONE_BY_ONE_LOCK:
-        if _one_by_one_calls == 0 and GROUP_SIZE_ENV in os.environ:
-            active = False                    # the user's own setting
-        else:
+        # a switch set with no call of ours inside is the user's own setting
+        owns = active and (_one_by_one_calls > 0 or GROUP_SIZE_ENV not in os.environ)
+        if owns:
             _one_by_one_calls += 1
             os.environ[GROUP_SIZE_ENV] = "1"
-    if not active:
-        yield
-        return
     try:
         yield
     finally:
-        with _ONE_BY_ONE_LOCK:
-            _one_by_one_calls -= 1
-            if _one_by_one_calls == 0:
-                os.environ.pop(GROUP_SIZE_ENV, None)
+        if owns:
+            with _ONE_BY_ONE_LOCK:
+                _one_by_one_calls -= 1
+                if _one_by_one_calls == 0:
+                    os.environ.pop(GROUP_SIZE_ENV, None)
